@@ -1,0 +1,198 @@
+"""Run a transformers model under a per-request execution plan and count the work that really ran.
+
+Two independent mechanisms, so the pruning ratio is measured rather than predicted:
+- `BypassBlock` wraps each decoder block. When the active plan bypasses the block, it returns the
+  residual stream unchanged *before* any of the block's work runs; otherwise it calls the block.
+  Either way it adds the dense cost of that block for the tokens it saw to the ledger.
+- forward hooks on every linear layer inside the blocks (and on the output head) add the FLOPs
+  of each call that actually executed.
+pruning_ratio = 1 - executed / dense. A block that ran and whose output was discarded would still
+count as executed, because its linears' hooks fired.
+
+The active plan and ledger live in a ContextVar, so concurrent requests on different threads never
+see each other's plans or counts. No transformers forward code is copied: blocks are wrapped and
+linear layers are hooked, nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from engine.errors import UnsupportedArchitectureError
+
+_BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers")
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """What a request skips, fixed before its prefill so the KV cache stays consistent."""
+
+    bypass: frozenset[int] = frozenset()  # decoder block indices returned as identity
+
+
+@dataclass
+class ExecutionLedger:
+    """Work counted while a request ran (FLOPs of linear layers)."""
+
+    executed_flops: int = 0
+    dense_flops: int = 0
+    weight_bytes_read: int = 0  # weights of every executed linear call, once per call
+    kv_bytes_read: int = 0  # KV cache bytes the executed attention layers read (model-level count)
+    block_calls: dict[int, int] = field(default_factory=dict)  # block -> times it executed
+    block_bypasses: dict[int, int] = field(default_factory=dict)  # block -> times it was skipped
+
+    @property
+    def pruning_ratio(self) -> float:
+        if self.dense_flops <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.executed_flops / self.dense_flops)
+
+
+@dataclass
+class _Active:
+    plan: ExecutionPlan
+    ledger: ExecutionLedger
+
+
+_ACTIVE: ContextVar[_Active | None] = ContextVar("prunewatch_active_execution", default=None)
+
+
+@contextlib.contextmanager
+def executing(plan: ExecutionPlan, ledger: ExecutionLedger) -> Iterator[ExecutionLedger]:
+    """Make `plan` govern, and `ledger` count, every forward pass in this context."""
+    token = _ACTIVE.set(_Active(plan, ledger))
+    try:
+        yield ledger
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _linear_flops_per_row(module: nn.Module) -> int | None:
+    """2 x in x out for nn.Linear and GPT-2's Conv1D (weight stored transposed); None otherwise."""
+    if isinstance(module, nn.Linear):
+        return 2 * module.in_features * module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        n_in, n_out = module.weight.shape
+        return 2 * int(n_in) * int(n_out)
+    return None
+
+
+def _rows(tensor: torch.Tensor) -> int:
+    return int(tensor.numel() // tensor.shape[-1])
+
+
+def _count_linear(flops_per_row: int) -> Callable:
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        active = _ACTIVE.get()
+        if active is not None:
+            active.ledger.executed_flops += flops_per_row * _rows(inputs[0])
+            active.ledger.weight_bytes_read += module.weight.numel() * module.weight.element_size()
+
+    return hook
+
+
+def _count_head(flops_per_row: int) -> Callable:
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        active = _ACTIVE.get()
+        if active is not None:
+            work = flops_per_row * _rows(inputs[0])
+            active.ledger.executed_flops += work
+            active.ledger.dense_flops += work  # the head is never pruned: dense == executed
+            active.ledger.weight_bytes_read += module.weight.numel() * module.weight.element_size()
+
+    return hook
+
+
+class BypassBlock(nn.Module):
+    """A decoder block that the active plan can turn into the identity on the residual stream."""
+
+    def __init__(self, block: nn.Module, index: int, dense_flops_per_row: int) -> None:
+        super().__init__()
+        self.block = block
+        self.index = index
+        self.dense_flops_per_row = dense_flops_per_row
+
+    def __getattr__(self, name: str):
+        # transformers reads attributes such as `attention_type` off its decoder layers.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("block"), name)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        active = _ACTIVE.get()
+        if active is None:
+            return self.block(hidden_states, *args, **kwargs)
+        ledger = active.ledger
+        ledger.dense_flops += self.dense_flops_per_row * _rows(hidden_states)
+        if self.index in active.plan.bypass:
+            ledger.block_bypasses[self.index] = ledger.block_bypasses.get(self.index, 0) + 1
+            return hidden_states  # (B, T, C): identity; this block's KV cache is never written
+        ledger.block_calls[self.index] = ledger.block_calls.get(self.index, 0) + 1
+        return self.block(hidden_states, *args, **kwargs)
+
+
+def find_decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """Locate the decoder block list of a causal LM (Llama, Qwen2, Mistral, Phi-3, Gemma, GPT-2...)."""
+    for path in _BLOCK_PATHS:
+        node: object = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, nn.ModuleList) and len(node) > 0:
+            return node
+    raise UnsupportedArchitectureError(
+        f"cannot find the decoder blocks of {type(model).__name__}; supported layouts: "
+        + ", ".join(_BLOCK_PATHS)
+    )
+
+
+@dataclass(frozen=True)
+class InstrumentedModel:
+    """A model whose blocks are wrapped and whose linear layers are counted."""
+
+    model: nn.Module
+    blocks: list[BypassBlock]
+    dense_flops_per_token: int  # all blocks + head, one token row each
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+
+def instrument(model: nn.Module) -> InstrumentedModel:
+    """Wrap every decoder block and hook every linear layer; idempotent for an instrumented model."""
+    block_list = find_decoder_blocks(model)
+    if all(isinstance(b, BypassBlock) for b in block_list):
+        wrapped = list(block_list)
+    else:
+        wrapped = []
+        for index, block in enumerate(block_list):
+            per_row = 0
+            for module in block.modules():
+                flops = _linear_flops_per_row(module)
+                if flops is not None:
+                    module.register_forward_hook(_count_linear(flops))
+                    per_row += flops
+            if per_row == 0:
+                raise UnsupportedArchitectureError(
+                    f"decoder block {index} of {type(model).__name__} has no linear layers to count"
+                )
+            wrapper = BypassBlock(block, index, per_row)
+            block_list[index] = wrapper
+            wrapped.append(wrapper)
+        head = model.get_output_embeddings()
+        head_flops = _linear_flops_per_row(head) if head is not None else None
+        if head_flops is None:
+            raise UnsupportedArchitectureError(f"{type(model).__name__} has no linear output head")
+        head.register_forward_hook(_count_head(head_flops))
+    head = model.get_output_embeddings()
+    per_token = sum(b.dense_flops_per_row for b in wrapped) + (_linear_flops_per_row(head) or 0)
+    return InstrumentedModel(model=model, blocks=wrapped, dense_flops_per_token=per_token)

@@ -1,0 +1,52 @@
+"""Hardware figures per request: peak memory and DRAM bytes per instruction (estimate on CPU)."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+# AVX2 FMA on fp32: 8 lanes x 2 FLOPs per instruction. The estimate assumes the matmuls are fully
+# vectorised, so it is a lower bound on instructions and an upper bound on bytes per instruction.
+CPU_FLOPS_PER_INSTRUCTION = 16
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    """Peak memory of one request: CUDA max allocated on a GPU, growth of peak RSS on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.source = "cuda_max_allocated" if device.type == "cuda" else "rss_delta"
+        self._start = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._start = peak_rss_bytes()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, peak_rss_bytes() - self._start)
+
+
+def estimate_dram_bytes_per_instruction(weight_bytes_read: int, kv_bytes_read: int, executed_flops: int) -> float | None:
+    """Model-level estimate: bytes the executed layers must stream / vectorised instruction count.
+
+    weight_bytes_read counts each executed linear's weights once per call (no cache reuse across
+    calls: true for decode, where weights dwarf the caches). Labelled source="estimate".
+    """
+    instructions = executed_flops / CPU_FLOPS_PER_INSTRUCTION
+    if instructions <= 0:
+        return None
+    return (weight_bytes_read + kv_bytes_read) / instructions

@@ -1,0 +1,106 @@
+"""Choose, before a request's prefill, which decoder blocks it bypasses.
+
+The rule (fixed per request, so the KV cache stays consistent):
+1. Match the prompt to the calibrated domains by the cosine between its mean token direction and
+   each domain centroid; the softmax of those cosines weights the domains' influence profiles.
+2. Eligible blocks: all but the blacklisted ones and block 0, which always runs: transformers
+   reads the KV cache length (and so positions and masks) from block 0's cache. When edges are
+   protected the last block, a transition layer like the first, always runs too.
+3. Walk eligible blocks from least to most influential and bypass them while the bypassed
+   influence stays within sensitivity x budget x total influence. Sensitivity 0 bypasses nothing.
+
+A bypassed block never runs for any token of the request, so its KV cache is never written nor
+read: prefill and every decode step see the same stack of blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.calibration import Calibration
+from engine.errors import InvalidRequestError
+from engine.execution import ExecutionPlan
+
+DOMAIN_SOFTMAX_TEMPERATURE = 0.05  # cosine gaps between domain centroids are a few hundredths
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """Why one block was kept or bypassed (logged at DETAILED)."""
+
+    layer: int
+    influence: float
+    threshold: float  # the bypassed-influence budget left when this block was considered
+    decision: str  # KEEP, BYPASS, PROTECTED or BLACKLISTED
+
+
+@dataclass(frozen=True)
+class BypassPlan:
+    plan: ExecutionPlan
+    decisions: list[LayerDecision]
+    domain: str | None
+    domain_confidence: float
+    budget: float  # sensitivity x influence_budget x total influence
+
+
+def match_domain(calibration: Calibration, direction: torch.Tensor) -> tuple[dict[str, float], str, float]:
+    """Softmax weights over domains from cosine similarity; returns (weights, best, its weight)."""
+    names = sorted(calibration.domains)
+    centroids = torch.tensor([calibration.domains[n].centroid for n in names], dtype=torch.float32)  # (D, C)
+    cos = centroids @ direction.float().cpu()  # (D,)
+    weights = torch.softmax(cos / DOMAIN_SOFTMAX_TEMPERATURE, dim=0)
+    best = int(torch.argmax(weights))
+    return {n: float(w) for n, w in zip(names, weights)}, names[best], float(weights[best])
+
+
+def validate_request(num_layers: int, sensitivity: float, blacklist: list[int]) -> None:
+    if not (0.0 <= sensitivity <= 1.0) or math.isnan(sensitivity):
+        raise InvalidRequestError(f"sensitivity must be within [0, 1], got {sensitivity}")
+    bad = [i for i in blacklist if i < 0 or i >= num_layers]
+    if bad:
+        raise InvalidRequestError(
+            f"layer_blacklist names layer(s) {bad} but the model has layers 0..{num_layers - 1}"
+        )
+
+
+def plan_bypass(
+    calibration: Calibration,
+    direction: torch.Tensor,
+    *,
+    sensitivity: float,
+    influence_budget: float,
+    blacklist: list[int],
+    protect_edges: bool,
+) -> BypassPlan:
+    """The bypass plan for one request; see the module docstring for the rule."""
+    n = calibration.num_layers
+    validate_request(n, sensitivity, blacklist)
+    weights, best, confidence = match_domain(calibration, direction)
+    influence = [0.0] * n
+    for name, weight in weights.items():
+        for i, value in enumerate(calibration.domains[name].influence):
+            influence[i] += weight * value
+    budget = sensitivity * influence_budget * sum(influence)
+    protected = {0, n - 1} if protect_edges else {0}
+    status = {i: "KEEP" for i in range(n)}
+    for i in protected:
+        status[i] = "PROTECTED"
+    for i in blacklist:
+        status[i] = "BLACKLISTED"
+    left = budget
+    thresholds = {i: left for i in range(n)}
+    bypass: set[int] = set()
+    if sensitivity > 0.0:
+        for i in sorted((i for i in range(n) if status[i] == "KEEP"), key=lambda i: (influence[i], i)):
+            thresholds[i] = left
+            if influence[i] <= left:
+                bypass.add(i)
+                status[i] = "BYPASS"
+                left -= influence[i]
+            else:
+                break
+    decisions = [LayerDecision(i, influence[i], thresholds[i], status[i]) for i in range(n)]
+    return BypassPlan(ExecutionPlan(frozenset(bypass)), decisions, best, confidence, budget)

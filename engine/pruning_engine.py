@@ -1,0 +1,323 @@
+"""The pruning engine: greedy generation with a KV cache under a per-request bypass plan.
+
+One request = preprocessing (render + tokenize the prompt, match it to a calibrated domain,
+choose the plan), inference (prefill + decode under the plan, counted by the execution ledger),
+postprocessing (detokenize, optional quality check against the dense model, stats). The engine
+returns plain `RequestStats`; it never writes to a database or a metrics registry itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from engine.calibration import Calibration, calibrate, mean_token_direction
+from engine.errors import InvalidRequestError
+from engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing, instrument
+from engine.hardware import PeakMemory, estimate_dram_bytes_per_instruction
+from engine.loading import LoadedModel, load_model
+from engine.planner import BypassPlan, plan_bypass, validate_request
+from engine.quality import score_against_dense
+from engine.settings import EngineSettings, LogLevel
+from engine.stats import GenerationResult, RequestStats
+
+logger = logging.getLogger("prunewatch.engine")
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """A piece of generated text, yielded while streaming."""
+
+    text: str
+    token_id: int
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+class PruningEngine:
+    """A causal LM that skips calibrated low-influence blocks per request and measures the skip."""
+
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings, calibration: Calibration | None = None) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        self.instrumented: InstrumentedModel = instrument(loaded.model)
+        validate_request(self.num_layers, settings.sensitivity, settings.layer_blacklist)
+        self._calibration: Calibration | None = None
+        if calibration is not None:
+            self.use_calibration(calibration)
+        config = loaded.model.config
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        self._kv_bytes_per_token_per_layer = 2 * kv_heads * head_dim * torch.empty((), dtype=loaded.dtype).element_size()
+        eos = getattr(loaded.model.generation_config, "eos_token_id", None) or loaded.tokenizer.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    @classmethod
+    def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> "PruningEngine":
+        return cls(load_model(settings.model_dir, settings.device), settings, calibration)
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def num_layers(self) -> int:
+        return self.instrumented.num_layers
+
+    @property
+    def calibration(self) -> Calibration | None:
+        return self._calibration
+
+    # -- calibration -------------------------------------------------------------------------
+    def use_calibration(self, calibration: Calibration) -> None:
+        calibration.check_model(self.loaded.fingerprint, self.num_layers)
+        self._calibration = calibration
+
+    def calibrate(
+        self,
+        texts_by_domain: Mapping[str, Sequence[str]],
+        corpus_digest: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Calibration:
+        calibration = calibrate(
+            self.instrumented,
+            self.loaded.tokenizer,
+            texts_by_domain,
+            model_name=self.name,
+            model_fingerprint=self.loaded.fingerprint,
+            corpus_digest=corpus_digest,
+            progress=progress,
+        )
+        self.use_calibration(calibration)
+        return calibration
+
+    def calibration_path(self, corpus_digest: str) -> Path:
+        root = self.settings.calibration_dir or Path.home() / ".cache" / "prunewatch" / "calibration"
+        return root / f"{self.name}-{self.loaded.fingerprint[:16]}-{corpus_digest[:12]}.json"
+
+    def load_or_calibrate(
+        self,
+        texts_by_domain: Mapping[str, Sequence[str]],
+        corpus_digest: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[Calibration, bool]:
+        """Use the cached calibration for this model and corpus if present; returns (it, was_cached)."""
+        path = self.calibration_path(corpus_digest)
+        if path.is_file():
+            calibration = Calibration.load(path)
+            self.use_calibration(calibration)
+            return calibration, True
+        calibration = self.calibrate(texts_by_domain, corpus_digest, progress)
+        calibration.save(path)
+        return calibration, False
+
+    # -- requests ----------------------------------------------------------------------------
+    def render_prompt(self, prompt: str | None = None, system: str | None = None,
+                      messages: Sequence[Mapping[str, str]] | None = None) -> list[int]:
+        """Token ids of the prompt, through the model's chat template when it has one."""
+        tokenizer = self.loaded.tokenizer
+        if messages is None:
+            if prompt is None:
+                raise InvalidRequestError("a request needs a prompt or messages")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n\n".join(m["content"] for m in messages) + "\n"
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        return list(ids)
+
+    def plan(self, prompt_ids: list[int], sensitivity: float, blacklist: list[int]) -> tuple[BypassPlan | None, str | None]:
+        """The request's bypass plan, or (None, reason) when it must run dense."""
+        validate_request(self.num_layers, sensitivity, blacklist)
+        if sensitivity == 0.0:
+            return None, None
+        if self._calibration is None:
+            return None, "uncalibrated"
+        embed = self.loaded.model.get_input_embeddings()
+        with torch.no_grad():
+            direction = mean_token_direction(embed(torch.tensor(prompt_ids, device=self.loaded.device)))
+        return plan_bypass(
+            self._calibration,
+            direction,
+            sensitivity=sensitivity,
+            influence_budget=self.settings.influence_budget,
+            blacklist=blacklist,
+            protect_edges=self.settings.protect_edge_layers,
+        ), None
+
+    @torch.no_grad()
+    def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
+                max_new_tokens: int, use_cache: bool) -> Iterator[int]:
+        """Greedy decoding under `plan`; yields token ids as they are produced."""
+        from transformers import DynamicCache
+
+        model = self.loaded.model
+        device = self.loaded.device
+        ids = torch.tensor([prompt_ids], device=device)  # (1, T)
+        cache = DynamicCache(config=model.config) if use_cache else None
+        executed_blocks = self.num_layers - len(plan.bypass)
+        with executing(plan, ledger):
+            position = 0
+            step_ids = ids
+            for _ in range(max_new_tokens):
+                if use_cache:
+                    positions = torch.arange(position, position + step_ids.shape[1], device=device)[None]
+                    out = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
+                    position += step_ids.shape[1]
+                    context = position
+                else:
+                    out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    context = ids.shape[1]
+                ledger.kv_bytes_read += executed_blocks * context * self._kv_bytes_per_token_per_layer
+                token = int(out.logits[0, -1].argmax())
+                yield token
+                if token in self._eos_ids:
+                    return
+                step_ids = torch.tensor([[token]], device=device)
+                ids = torch.cat([ids, step_ids], dim=1)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        system: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        max_new_tokens: int | None = None,
+        sensitivity: float | None = None,
+        layer_blacklist: Sequence[int] | None = None,
+        log_level: LogLevel | None = None,
+        quality: bool = False,
+        use_cache: bool = True,
+        request_id: str | None = None,
+    ) -> Iterator[TokenDelta | GenerationResult]:
+        """Yield TokenDelta pieces as tokens are produced, then the GenerationResult."""
+        started = time.perf_counter()
+        sensitivity = self.settings.sensitivity if sensitivity is None else float(sensitivity)
+        blacklist = sorted(set(self.settings.layer_blacklist if layer_blacklist is None else layer_blacklist))
+        log_level = self.settings.log_level if log_level is None else LogLevel(log_level)
+        max_new_tokens = self.settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        request_id = request_id or uuid.uuid4().hex
+        prompt_ids = self.render_prompt(prompt, system, messages)
+        bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist)
+        plan = bypass_plan.plan if bypass_plan else ExecutionPlan()
+        preprocessed = time.perf_counter()
+
+        ledger = ExecutionLedger()
+        tokens: list[int] = []
+        text_so_far = ""
+        first_token_at = None
+        tokenizer = self.loaded.tokenizer
+        with PeakMemory(self.loaded.device) as memory:
+            for token in self._decode(prompt_ids, plan, ledger, max_new_tokens, use_cache):
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                tokens.append(token)
+                if token in self._eos_ids:
+                    break
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                if len(text) > len(text_so_far) and not text.endswith("\ufffd"):
+                    yield TokenDelta(text[len(text_so_far):], token)
+                    text_so_far = text
+            if self.loaded.device.type == "cuda":
+                torch.cuda.synchronize(self.loaded.device)
+            inferred = time.perf_counter()
+
+            finish_reason = "stop" if tokens and tokens[-1] in self._eos_ids else "length"
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if len(text) > len(text_so_far):
+                yield TokenDelta(text[len(text_so_far):], tokens[-1])
+            report = None
+            if quality:
+                if plan.bypass:
+                    dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), max_new_tokens, True))
+                else:
+                    dense = tokens
+                report = score_against_dense(self.instrumented, prompt_ids, dense, plan, self.loaded.device)
+            peak = memory.peak_bytes()
+        completion = len(tokens)
+        inference_s = inferred - preprocessed
+        decode_s = inferred - first_token_at if first_token_at else 0.0
+        stats = RequestStats(
+            request_id=request_id,
+            model=self.name,
+            device=self.loaded.device.type,
+            dtype=str(self.loaded.dtype).replace("torch.", ""),
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=completion,
+            preprocessing_ms=_ms(preprocessed - started),
+            inference_ms=_ms(inference_s),
+            postprocessing_ms=0.0,
+            ttft_ms=_ms((first_token_at or inferred) - started),
+            decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
+            tokens_per_s=round(completion / inference_s, 3) if inference_s > 0 else 0.0,
+            sensitivity=sensitivity,
+            pruning_ratio=round(ledger.pruning_ratio, 6),
+            executed_flops=ledger.executed_flops,
+            dense_flops=ledger.dense_flops,
+            layers_bypassed=sorted(plan.bypass),
+            layers_total=self.num_layers,
+            domain=bypass_plan.domain if bypass_plan else None,
+            domain_confidence=round(bypass_plan.domain_confidence, 4) if bypass_plan else 0.0,
+            fallback_reason=fallback,
+            quality=report,
+            peak_memory_bytes=peak,
+            peak_memory_source=memory.source,
+            dram_bytes_per_instruction=estimate_dram_bytes_per_instruction(
+                ledger.weight_bytes_read, ledger.kv_bytes_read, ledger.executed_flops),
+            dram_source="estimate",
+            finish_reason=finish_reason,
+        )
+        self._log(stats, bypass_plan, log_level)
+        stats.postprocessing_ms = _ms(time.perf_counter() - inferred)
+        yield GenerationResult(text=text, token_ids=tokens, stats=stats)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Run one request to completion; see `stream` for the parameters."""
+        result = None
+        for item in self.stream(prompt, **kwargs):
+            result = item
+        if not isinstance(result, GenerationResult):  # stream always ends with its result
+            raise RuntimeError("generation ended without a result")
+        return result
+
+    def _log(self, stats: RequestStats, bypass_plan: BypassPlan | None, level: LogLevel) -> None:
+        if level == LogLevel.NONE:
+            return
+        logger.info(
+            "request %s model=%s domain=%s layers_bypassed=%s ratio=%.4f tokens=%d fallback=%s",
+            stats.request_id, stats.model, stats.domain, stats.layers_bypassed, stats.pruning_ratio,
+            stats.completion_tokens, stats.fallback_reason,
+        )
+        if level == LogLevel.DETAILED and bypass_plan is not None:
+            for d in bypass_plan.decisions:
+                logger.info(
+                    "request %s layer=%d influence=%.5f threshold=%.5f decision=%s",
+                    stats.request_id, d.layer, d.influence, d.threshold, d.decision,
+                )
+
+
+def texts_digest(texts_by_domain: Mapping[str, Sequence[str]]) -> str:
+    """A stable digest of calibration texts, so a cached calibration is reused only for the same texts."""
+    digest = hashlib.sha256()
+    for domain in sorted(texts_by_domain):
+        digest.update(domain.encode())
+        for text in texts_by_domain[domain]:
+            digest.update(text.encode())
+    return digest.hexdigest()

@@ -1,0 +1,60 @@
+"""Engine configuration: typed, ranged, read from arguments or PRUNEWATCH_ENGINE_* variables."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class LogLevel(str, Enum):
+    """How much the engine logs about each request's pruning decisions."""
+
+    NONE = "NONE"  # nothing per request
+    SUMMARY = "SUMMARY"  # one line: layers bypassed, ratio
+    DETAILED = "DETAILED"  # per layer: influence, threshold, KEEP / BYPASS
+
+
+class EngineSettings(BaseSettings):
+    """How the engine loads its model and how hard it prunes by default."""
+
+    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_ENGINE_", extra="forbid")
+
+    model_dir: Path = Field(description="Local Hugging Face model folder (config.json + weights).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto picks CUDA when present (bf16 there), else the CPU (fp32)."
+    )
+    sensitivity: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="How much of the calibrated skippable influence a request may drop; 0 is dense.",
+    )
+    layer_blacklist: list[int] = Field(default_factory=list, description="Layers never pruned.")
+    log_level: LogLevel = Field(LogLevel.SUMMARY, description="Per-request pruning log detail.")
+    influence_budget: float = Field(
+        0.5, gt=0.0, le=1.0,
+        description=(
+            "At sensitivity 1, the share of the model's total calibrated block influence that may "
+            "be bypassed; sensitivity scales it linearly."
+        ),
+    )
+    protect_edge_layers: bool = Field(
+        True,
+        description=(
+            "Never bypass the first and last block: they are the model's transition layers (the "
+            "first also anchors the KV cache length that transformers reads from layer 0)."
+        ),
+    )
+    max_new_tokens: int = Field(64, ge=1, le=8192, description="Default completion length.")
+    calibration_dir: Path | None = Field(
+        None, description="Where calibrations are cached; default ~/.cache/prunewatch/calibration."
+    )
+
+    @field_validator("layer_blacklist")
+    @classmethod
+    def _no_negative_layers(cls, value: list[int]) -> list[int]:
+        if any(i < 0 for i in value):
+            raise ValueError("layer_blacklist holds layer indices, which are >= 0")
+        return sorted(set(value))
