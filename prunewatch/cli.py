@@ -54,5 +54,63 @@ def build_model(
                f"weights sha256 {manifest['weights_sha256'][:12]}...)")
 
 
+def fail(message: str) -> "typer.Exit":
+    """Print a one-line error and give exit code 2 (bad input), without a traceback."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def settings_error(exc: Exception) -> str:
+    """First pydantic validation error as `field: message`."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "value"
+        return f"{where}: {first.get('msg')} (got {first.get('input')!r})"
+    return str(exc)
+
+
+@app.command("run")
+def run(
+    rounds: int = typer.Option(None, help="Stop after N probe rounds (default: run until Ctrl-C)."),
+    interval: float = typer.Option(30.0, help="Seconds between rounds."),
+    db: str = typer.Option("sqlite:///prunewatch.db", help="SQLAlchemy URL of the result store."),
+    metrics_port: int = typer.Option(9464, help="Port of the /metrics endpoint (0 disables it)."),
+    metrics_host: str = typer.Option("127.0.0.1", help="Address of the /metrics endpoint."),
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    sensitivity: float = typer.Option(0.5, help="Pruning sensitivity in [0, 1]; 0 runs dense."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
+) -> None:
+    """The main job: probe the embedded engine on a schedule, store results, serve /metrics."""
+    import logging
+
+    from pydantic import ValidationError
+
+    from collector.embedded import run_embedded
+    from collector.settings import CollectorSettings
+    from collector.store import StoreUnavailableError
+    from engine.errors import EngineError
+    from probes import DEFAULT_PROBES_PATH, ProbeFileError
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    if not verbose:  # a round longer than the interval is coalesced by design; say so only when asked
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)
+    try:
+        settings = CollectorSettings(
+            db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
+            model_dir=model, sensitivity=sensitivity, device=device, probes_path=probes or DEFAULT_PROBES_PATH,
+        )
+    except ValidationError as exc:
+        raise fail(settings_error(exc))
+    try:
+        outcome = run_embedded(settings)
+    except (EngineError, ProbeFileError, StoreUnavailableError) as exc:
+        raise fail(str(exc))
+    typer.echo(f"done: {outcome.rounds} round(s), {outcome.results} probe result(s), {outcome.failures} failed; "
+               f"store {settings.db_url}")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()

@@ -1,0 +1,91 @@
+"""`prunewatch run`: the embedded collector (in-process engine, SQLite, /metrics, live table)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+
+from prometheus_client import start_http_server
+from rich.console import Console
+from rich.live import Live
+
+from collector.exporters import LogExporter, SqlExporter
+from collector.live_table import round_table
+from collector.metrics import CollectorMetrics
+from collector.probe_round import RoundSummary
+from collector.scheduler import ProbeScheduler
+from collector.settings import CollectorSettings
+from collector.store import connect, create_schema
+from collector.targets import InProcessTarget
+from engine import EngineSettings, PruningEngine
+from engine.loading import check_model_dir
+from probes import load_probes
+
+logger = logging.getLogger("prunewatch.collector")
+
+
+@dataclass
+class RunOutcome:
+    rounds: int
+    results: int
+    failures: int
+
+
+def run_embedded(settings: CollectorSettings, console: Console | None = None) -> RunOutcome:
+    """Validate everything, then load, calibrate, schedule and run until done or interrupted.
+
+    Order matters for "nothing written on bad input": the model folder, the probes and the
+    database connection are all checked before the first row (or the SQLite file) is written.
+    """
+    console = console or Console(width=None if Console().is_terminal else 132)
+    check_model_dir(settings.model_dir)
+    probe_set = load_probes(settings.probes_path)
+    db = connect(settings.db_url)
+
+    with console.status("loading model"):
+        engine = PruningEngine.load(EngineSettings(model_dir=settings.model_dir, device=settings.device,
+                                                   sensitivity=settings.sensitivity))
+    texts = probe_set.calibration_texts()
+    with console.status("calibrating"):
+        calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)
+    console.print(f"model {engine.name} on {engine.loaded.device.type} ({engine.num_layers} layers); calibration "
+                  f"{'loaded from cache' if cached else 'measured'} for domains {sorted(calibration.domains)}")
+    create_schema(db)
+
+    metrics = CollectorMetrics()
+    server = None
+    if settings.metrics_port:
+        server, _thread = start_http_server(settings.metrics_port, addr=settings.metrics_host,
+                                            registry=metrics.registry)
+        console.print(f"metrics on http://{settings.metrics_host}:{settings.metrics_port}/metrics")
+
+    sql = SqlExporter(db)
+    target = InProcessTarget(engine, name=settings.target_name, sensitivity=settings.sensitivity)
+    totals = {"results": 0, "failures": 0, "rounds": 0}
+    live = Live(console=console, auto_refresh=False, transient=False)
+
+    def on_round(summary: RoundSummary) -> None:
+        totals["rounds"] += 1
+        totals["results"] += len(summary.results)
+        totals["failures"] += summary.failed
+        live.update(round_table(summary, totals["rounds"]), refresh=True)
+
+    scheduler = ProbeScheduler([target], probe_set, [sql, metrics, LogExporter()], interval_s=settings.interval_s,
+                               rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round)
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: scheduler.stop_event.set() or scheduler.done.set())
+    try:
+        with live:
+            scheduler.start()
+            try:
+                scheduler.wait()
+            except KeyboardInterrupt:
+                console.print("stopping: finishing the probe in flight")
+    finally:
+        scheduler.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        if server is not None:
+            server.shutdown()
+        db.dispose()
+    return RunOutcome(rounds=totals["rounds"], results=totals["results"], failures=totals["failures"])

@@ -1,0 +1,104 @@
+"""Prometheus metrics of probe results, and the PromQL of the figures derived from them.
+
+The PromQL constants are the single source of truth: alert rules (alerts/) and dashboards
+(dashboards/) use these very expressions, and tests evaluate them against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from collector.results import ProbeResult
+
+LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
+
+# -- derived figures (PromQL) ---------------------------------------------------------------
+PROMQL_RATIO_AVG_24H = "avg by (model, domain) (avg_over_time(prunewatch_pruning_ratio[24h]))"
+PROMQL_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_pruning_ratio)"
+PROMQL_LATENCY_P99 = (
+    "histogram_quantile(0.99, sum by (le, model, domain) (rate(prunewatch_inference_latency_seconds_bucket[5m])))"
+)
+PROMQL_FAILURE_RATE = (
+    "sum by (model, domain) (rate(prunewatch_probe_failures_total[15m]))"
+    " / clamp_min(sum by (model, domain) (rate(prunewatch_probe_results_total[15m])), 1e-9)"
+)
+
+
+def _check_name(name: str) -> str:
+    if not re.fullmatch(r"prunewatch_[a-z0-9_]+", name):
+        raise ValueError(f"metric name {name!r} must be snake_case and start with prunewatch_")
+    return name
+
+
+class CollectorMetrics:
+    """The collector's metric families, registered in the given registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.pruning_ratio = Gauge(
+            _check_name("prunewatch_pruning_ratio"),
+            "Measured share of dense linear-layer FLOPs not executed, last probe (0..1).",
+            ["model", "domain", "probe"], registry=r)
+        self.inference_latency = Histogram(
+            _check_name("prunewatch_inference_latency_seconds"),
+            "Prefill + decode wall time of a probe.", ["model", "domain"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens_per_second = Gauge(
+            _check_name("prunewatch_tokens_per_second"),
+            "Completion tokens / inference time of the last probe.", ["model", "domain"], registry=r)
+        self.probe_failures = Counter(
+            _check_name("prunewatch_probe_failures"),
+            "Probes that failed, by reason.", ["model", "domain", "reason"], registry=r)
+        self.probe_results = Counter(
+            _check_name("prunewatch_probe_results"),
+            "Probe results recorded, by status.", ["model", "domain", "status"], registry=r)
+        self.preprocessing = Histogram(
+            _check_name("prunewatch_preprocessing_latency_seconds"),
+            "Tokenize + plan time of a probe.", ["model", "domain"], buckets=PHASE_BUCKETS, registry=r)
+        self.postprocessing = Histogram(
+            _check_name("prunewatch_postprocessing_latency_seconds"),
+            "Detokenize + quality check + stats time of a probe.", ["model", "domain"], buckets=PHASE_BUCKETS,
+            registry=r)
+        self.ttft = Histogram(
+            _check_name("prunewatch_time_to_first_token_seconds"),
+            "Request start to first generated token.", ["model", "domain"], buckets=PHASE_BUCKETS, registry=r)
+        self.token_agreement = Gauge(
+            _check_name("prunewatch_token_agreement"),
+            "Teacher-forced argmax agreement of the pruned model with the dense model, last probe.",
+            ["model", "domain", "probe"], registry=r)
+        self.dram_bytes_per_instruction = Gauge(
+            _check_name("prunewatch_dram_bytes_per_instruction"),
+            "DRAM bytes per instruction; source=ncu (measured) or estimate (model-level).",
+            ["model", "domain", "source"], registry=r)
+        self.last_success = Gauge(
+            _check_name("prunewatch_last_success_timestamp_seconds"),
+            "Unix time of the last successful probe per target.", ["model", "target"], registry=r)
+
+    def record(self, result: ProbeResult) -> None:
+        """Exporter entry point: turn one result into samples."""
+        model, domain = result.model, result.domain
+        self.probe_results.labels(model, domain, result.status).inc()
+        if not result.ok:
+            self.probe_failures.labels(model, domain, result.failure_reason or "exception").inc()
+            return
+        if result.pruning_ratio is not None:  # absent (a baseline server) is not zero
+            self.pruning_ratio.labels(model, domain, result.probe_id).set(result.pruning_ratio)
+        if result.inference_ms is not None:
+            self.inference_latency.labels(model, domain).observe(result.inference_ms / 1000.0)
+        if result.tokens_per_s is not None:
+            self.tokens_per_second.labels(model, domain).set(result.tokens_per_s)
+        if result.preprocessing_ms is not None:
+            self.preprocessing.labels(model, domain).observe(result.preprocessing_ms / 1000.0)
+        if result.postprocessing_ms is not None:
+            self.postprocessing.labels(model, domain).observe(result.postprocessing_ms / 1000.0)
+        if result.ttft_ms is not None:
+            self.ttft.labels(model, domain).observe(result.ttft_ms / 1000.0)
+        if result.token_agreement is not None:
+            self.token_agreement.labels(model, domain, result.probe_id).set(result.token_agreement)
+        if result.dram_bytes_per_instruction is not None:
+            self.dram_bytes_per_instruction.labels(model, domain, result.dram_source or "estimate").set(
+                result.dram_bytes_per_instruction)
+        self.last_success.labels(model, result.target).set(result.created_at.timestamp())

@@ -1,0 +1,97 @@
+"""One probe round: every probe against one target, each result handed to every exporter."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from collector.exporters import Exporter
+from collector.results import ProbeResult, utcnow
+from collector.targets import Target
+from engine.errors import EngineError, InvalidRequestError
+from probes import ProbeSet
+
+logger = logging.getLogger("prunewatch.collector")
+
+
+def classify_failure(exc: BaseException) -> str:
+    """A short, stable reason label for metrics and rows."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, InvalidRequestError):
+        return "invalid_request"
+    if isinstance(exc, EngineError):
+        return "engine_error"
+    if isinstance(exc, ConnectionError):
+        return "unreachable"
+    return "exception"
+
+
+@dataclass
+class RoundSummary:
+    round_id: str
+    target: str
+    results: list[ProbeResult] = field(default_factory=list)
+    export_errors: int = 0
+
+    @property
+    def ok(self) -> int:
+        return sum(r.ok for r in self.results)
+
+    @property
+    def failed(self) -> int:
+        return len(self.results) - self.ok
+
+
+def _export(exporters: Sequence[Exporter], result: ProbeResult) -> int:
+    errors = 0
+    for exporter in exporters:
+        try:
+            exporter.record(result)
+        except Exception:  # an exporter's failure is logged and counted, never fatal to the round
+            errors += 1
+            logger.exception("exporter %s failed for result %s", type(exporter).__name__, result.result_id)
+    return errors
+
+
+def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter],
+              stop: threading.Event | None = None) -> RoundSummary:
+    """Run every probe once. A failed probe becomes a failure result; `stop` ends between probes."""
+    summary = RoundSummary(round_id=uuid.uuid4().hex, target=target.name)
+    round_aware = [e for e in exporters if hasattr(e, "start_round")]
+    started = utcnow()
+    for exporter in round_aware:
+        try:
+            exporter.start_round(round_id=summary.round_id, target=target.name, model=target.model,
+                                 started_at=started, probe_set_digest=probe_set.digest)
+        except Exception:
+            summary.export_errors += 1
+            logger.exception("could not record the start of round %s", summary.round_id)
+    for probe in probe_set.probes:
+        if stop is not None and stop.is_set():
+            break
+        began = time.perf_counter()
+        try:
+            generated = target.run_probe(probe)
+            result = ProbeResult.from_stats(target=target.name, probe=probe, round_id=summary.round_id,
+                                            stats=generated.stats, text=generated.text,
+                                            duration_ms=round((time.perf_counter() - began) * 1000, 3))
+        except Exception as exc:  # a failed probe is data, not a crash
+            reason = classify_failure(exc)
+            logger.warning("probe %s on %s failed (%s): %s", probe.id, target.name, reason, exc)
+            result = ProbeResult.failure(target=target.name, model=target.model, probe=probe,
+                                         round_id=summary.round_id, reason=reason, message=f"{type(exc).__name__}: {exc}",
+                                         duration_ms=round((time.perf_counter() - began) * 1000, 3))
+        summary.results.append(result)
+        summary.export_errors += _export(exporters, result)
+    for exporter in round_aware:
+        try:
+            exporter.finish_round(summary.round_id, finished_at=utcnow(), ok=summary.ok, failed=summary.failed)
+        except Exception:
+            summary.export_errors += 1
+            logger.exception("could not record the end of round %s", summary.round_id)
+    return summary

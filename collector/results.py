@@ -1,0 +1,124 @@
+"""The collector's unit of record: one probe run against one target, successful or not."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from engine.stats import RequestStats
+from probes import Probe
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class ProbeResult:
+    """What one probe measured. Exporters turn it into a SQL row, metric samples or a log line.
+
+    `result_id` is fixed when the result is made, so writing it twice (a retry) is idempotent.
+    Fields that a target could not measure stay None; they are never filled with zeros.
+    """
+
+    target: str
+    model: str
+    probe_id: str
+    probe_version: int
+    probe_hash: str
+    domain: str
+    status: str  # "ok" or "failed"
+    round_id: str
+    result_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created_at: datetime = field(default_factory=utcnow)
+    failure_reason: str | None = None  # timeout, engine_error, invalid_request, unreachable, exception
+    error_message: str | None = None
+    sensitivity: float | None = None
+    pruning_ratio: float | None = None
+    ratio_unit: str | None = None
+    ratio_source: str | None = None  # measured (counted by the engine) or absent
+    executed_flops: int | None = None
+    dense_flops: int | None = None
+    layers_bypassed: list[int] | None = None
+    layers_total: int | None = None
+    heads_gated: int | None = None
+    activation_sparsity: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    preprocessing_ms: float | None = None
+    inference_ms: float | None = None
+    postprocessing_ms: float | None = None
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    token_agreement: float | None = None
+    perplexity_delta_pct: float | None = None
+    matched_domain: str | None = None
+    domain_confidence: float | None = None
+    fallback_reason: str | None = None
+    peak_memory_bytes: int | None = None
+    dram_bytes_per_instruction: float | None = None
+    dram_source: str | None = None
+    duration_ms: float | None = None  # wall time of the whole probe as the collector saw it
+    output_text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_stats(cls, *, target: str, probe: Probe, round_id: str, stats: RequestStats, text: str,
+                   duration_ms: float) -> "ProbeResult":
+        quality = stats.quality
+        return cls(
+            target=target,
+            model=stats.model,
+            probe_id=probe.id,
+            probe_version=probe.version,
+            probe_hash=probe.content_hash,
+            domain=probe.domain,
+            status="ok",
+            round_id=round_id,
+            sensitivity=stats.sensitivity,
+            pruning_ratio=stats.pruning_ratio,
+            ratio_unit=stats.ratio_unit,
+            ratio_source=stats.ratio_source,
+            executed_flops=stats.executed_flops,
+            dense_flops=stats.dense_flops,
+            layers_bypassed=list(stats.layers_bypassed),
+            layers_total=stats.layers_total,
+            heads_gated=stats.heads_gated,
+            activation_sparsity=stats.activation_sparsity,
+            prompt_tokens=stats.prompt_tokens,
+            completion_tokens=stats.completion_tokens,
+            preprocessing_ms=stats.preprocessing_ms,
+            inference_ms=stats.inference_ms,
+            postprocessing_ms=stats.postprocessing_ms,
+            ttft_ms=stats.ttft_ms,
+            tokens_per_s=stats.tokens_per_s,
+            decode_tokens_per_s=stats.decode_tokens_per_s,
+            token_agreement=quality.token_agreement if quality else None,
+            perplexity_delta_pct=quality.perplexity_delta_pct if quality else None,
+            matched_domain=stats.domain,
+            domain_confidence=stats.domain_confidence,
+            fallback_reason=stats.fallback_reason,
+            peak_memory_bytes=stats.peak_memory_bytes,
+            dram_bytes_per_instruction=stats.dram_bytes_per_instruction,
+            dram_source=stats.dram_source,
+            duration_ms=duration_ms,
+            output_text=text,
+        )
+
+    @classmethod
+    def failure(cls, *, target: str, model: str, probe: Probe, round_id: str, reason: str, message: str,
+                duration_ms: float) -> "ProbeResult":
+        return cls(
+            target=target, model=model, probe_id=probe.id, probe_version=probe.version,
+            probe_hash=probe.content_hash, domain=probe.domain, status="failed", round_id=round_id,
+            failure_reason=reason, error_message=message[:2000], duration_ms=duration_ms,
+        )

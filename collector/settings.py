@@ -1,0 +1,32 @@
+"""Collector configuration: typed, ranged, from flags or PRUNEWATCH_* environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from probes import DEFAULT_PROBES_PATH
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "models" / "probe-llama"
+
+
+class CollectorSettings(BaseSettings):
+    """How the embedded collector runs: what it probes, how often, where results go."""
+
+    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_", extra="ignore")
+
+    db_url: str = Field("sqlite:///prunewatch.db", description="Any SQLAlchemy URL; SQLite file by default.")
+    interval_s: float = Field(30.0, ge=1.0, le=86_400.0, description="Seconds between probe rounds.")
+    rounds: int | None = Field(None, ge=1, description="Stop after this many rounds; None runs until stopped.")
+    metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds to.")
+    metrics_port: int = Field(9464, ge=0, le=65535, description="/metrics port; 0 disables the endpoint.")
+    model_dir: Path = Field(DEFAULT_MODEL_DIR, description="Model folder of the embedded engine.")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="Embedded engine device.")
+    sensitivity: float = Field(0.5, ge=0.0, le=1.0, description="Pruning sensitivity of the probes.")
+    probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Canonical probes YAML.")
+    target_name: str = Field("embedded", min_length=1, max_length=128, description="Label of the target.")
+    misfire_grace_s: float = Field(
+        60.0, ge=1.0, description="A round that starts this late is still run (then coalesced)."
+    )
