@@ -6,8 +6,12 @@ The rule (fixed per request, so the KV cache stays consistent):
 2. Eligible blocks: all but the blacklisted ones and block 0, which always runs: transformers
    reads the KV cache length (and so positions and masks) from block 0's cache. When edges are
    protected the last block, a transition layer like the first, always runs too.
-3. Walk eligible blocks from least to most influential and bypass them while the bypassed
-   influence stays within sensitivity x budget x total influence. Sensitivity 0 bypasses nothing.
+3. The adaptive threshold (engine/signals.py) turns the requested sensitivity into an effective
+   one from the prompt's semantic density, its domain-match entropy and memory pressure, and marks
+   transition layers (sharp changes of influence between neighbours) as protected.
+4. Walk eligible blocks from least to most influential and bypass them while the bypassed
+   influence stays within effective sensitivity x budget x total influence. Sensitivity 0 bypasses
+   nothing.
 
 A bypassed block never runs for any token of the request, so its KV cache is never written nor
 read: prefill and every decode step see the same stack of blocks.
@@ -23,6 +27,7 @@ import torch
 from engine.calibration import Calibration
 from engine.errors import InvalidRequestError
 from engine.execution import ExecutionPlan
+from engine.signals import SignalWeights, Signals, combine
 
 DOMAIN_SOFTMAX_TEMPERATURE = 0.05  # cosine gaps between domain centroids are a few hundredths
 
@@ -34,7 +39,7 @@ class LayerDecision:
     layer: int
     influence: float
     threshold: float  # the bypassed-influence budget left when this block was considered
-    decision: str  # KEEP, BYPASS, PROTECTED or BLACKLISTED
+    decision: str  # KEEP, BYPASS, PROTECTED, TRANSITION or BLACKLISTED
 
 
 @dataclass(frozen=True)
@@ -43,17 +48,19 @@ class BypassPlan:
     decisions: list[LayerDecision]
     domain: str | None
     domain_confidence: float
-    budget: float  # sensitivity x influence_budget x total influence
+    budget: float  # effective sensitivity x influence_budget x total influence
+    signals: Signals
+    nearest_domain_similarity: float  # cosine of the prompt to the closest domain centroid
 
 
-def match_domain(calibration: Calibration, direction: torch.Tensor) -> tuple[dict[str, float], str, float]:
-    """Softmax weights over domains from cosine similarity; returns (weights, best, its weight)."""
+def match_domain(calibration: Calibration, direction: torch.Tensor) -> tuple[dict[str, float], str, float, float]:
+    """Softmax weights over domains from cosine similarity; returns (weights, best, its weight, its cosine)."""
     names = sorted(calibration.domains)
     centroids = torch.tensor([calibration.domains[n].centroid for n in names], dtype=torch.float32)  # (D, C)
     cos = centroids @ direction.float().cpu()  # (D,)
     weights = torch.softmax(cos / DOMAIN_SOFTMAX_TEMPERATURE, dim=0)
     best = int(torch.argmax(weights))
-    return {n: float(w) for n, w in zip(names, weights)}, names[best], float(weights[best])
+    return {n: float(w) for n, w in zip(names, weights)}, names[best], float(weights[best]), float(cos[best])
 
 
 def validate_request(num_layers: int, sensitivity: float, blacklist: list[int]) -> None:
@@ -69,23 +76,29 @@ def validate_request(num_layers: int, sensitivity: float, blacklist: list[int]) 
 def plan_bypass(
     calibration: Calibration,
     direction: torch.Tensor,
+    prompt_ids: list[int],
     *,
     sensitivity: float,
     influence_budget: float,
     blacklist: list[int],
     protect_edges: bool,
+    signal_weights: SignalWeights = SignalWeights(),
+    memory_pressure: float = 0.0,
 ) -> BypassPlan:
     """The bypass plan for one request; see the module docstring for the rule."""
     n = calibration.num_layers
     validate_request(n, sensitivity, blacklist)
-    weights, best, confidence = match_domain(calibration, direction)
+    weights, best, confidence, similarity = match_domain(calibration, direction)
     influence = [0.0] * n
     for name, weight in weights.items():
         for i, value in enumerate(calibration.domains[name].influence):
             influence[i] += weight * value
-    budget = sensitivity * influence_budget * sum(influence)
+    signals = combine(sensitivity, prompt_ids, list(weights.values()), influence, memory_pressure, signal_weights)
+    budget = signals.effective_sensitivity * influence_budget * sum(influence)
     protected = {0, n - 1} if protect_edges else {0}
     status = {i: "KEEP" for i in range(n)}
+    for i in signals.transition_layers:
+        status[i] = "TRANSITION"
     for i in protected:
         status[i] = "PROTECTED"
     for i in blacklist:
@@ -93,7 +106,7 @@ def plan_bypass(
     left = budget
     thresholds = {i: left for i in range(n)}
     bypass: set[int] = set()
-    if sensitivity > 0.0:
+    if signals.effective_sensitivity > 0.0:
         for i in sorted((i for i in range(n) if status[i] == "KEEP"), key=lambda i: (influence[i], i)):
             thresholds[i] = left
             if influence[i] <= left:
@@ -103,4 +116,4 @@ def plan_bypass(
             else:
                 break
     decisions = [LayerDecision(i, influence[i], thresholds[i], status[i]) for i in range(n)]
-    return BypassPlan(ExecutionPlan(frozenset(bypass)), decisions, best, confidence, budget)
+    return BypassPlan(ExecutionPlan(frozenset(bypass)), decisions, best, confidence, budget, signals, similarity)

@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from engine.anomaly import anomaly_reason
 from engine.calibration import Calibration, calibrate, mean_token_direction
 from engine.errors import InvalidRequestError
 from engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing, instrument
@@ -25,6 +26,7 @@ from engine.hardware import PeakMemory, estimate_dram_bytes_per_instruction
 from engine.loading import LoadedModel, load_model
 from engine.planner import BypassPlan, plan_bypass, validate_request
 from engine.quality import score_against_dense
+from engine.signals import memory_pressure
 from engine.settings import EngineSettings, LogLevel
 from engine.stats import GenerationResult, RequestStats
 
@@ -141,8 +143,9 @@ class PruningEngine:
             raise InvalidRequestError("the prompt is empty after tokenization")
         return list(ids)
 
-    def plan(self, prompt_ids: list[int], sensitivity: float, blacklist: list[int]) -> tuple[BypassPlan | None, str | None]:
-        """The request's bypass plan, or (None, reason) when it must run dense."""
+    def plan(self, prompt_ids: list[int], sensitivity: float, blacklist: list[int],
+             prompt_text: str | None = None) -> tuple[BypassPlan | None, str | None]:
+        """The request's bypass plan, or (None, fallback reason) when it must run dense."""
         validate_request(self.num_layers, sensitivity, blacklist)
         if sensitivity == 0.0:
             return None, None
@@ -151,14 +154,24 @@ class PruningEngine:
         embed = self.loaded.model.get_input_embeddings()
         with torch.no_grad():
             direction = mean_token_direction(embed(torch.tensor(prompt_ids, device=self.loaded.device)))
-        return plan_bypass(
+        bypass_plan = plan_bypass(
             self._calibration,
             direction,
+            prompt_ids,
             sensitivity=sensitivity,
             influence_budget=self.settings.influence_budget,
             blacklist=blacklist,
             protect_edges=self.settings.protect_edge_layers,
-        ), None
+            signal_weights=self.settings.signal_weights,
+            memory_pressure=memory_pressure(self.loaded.device),
+        )
+        if self.settings.fallback_on_anomaly and prompt_text is not None:
+            text_tokens = len(self.loaded.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+            reason = anomaly_reason(prompt_text, text_tokens, bypass_plan.nearest_domain_similarity,
+                                    self.settings.anomaly_limits)
+            if reason is not None:
+                return None, reason
+        return bypass_plan, None
 
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
@@ -215,7 +228,8 @@ class PruningEngine:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = self.render_prompt(prompt, system, messages)
-        bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist)
+        user_text = prompt if messages is None else "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
+        bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=user_text)
         plan = bypass_plan.plan if bypass_plan else ExecutionPlan()
         preprocessed = time.perf_counter()
 
@@ -276,6 +290,9 @@ class PruningEngine:
             domain=bypass_plan.domain if bypass_plan else None,
             domain_confidence=round(bypass_plan.domain_confidence, 4) if bypass_plan else 0.0,
             fallback_reason=fallback,
+            effective_sensitivity=round(bypass_plan.signals.effective_sensitivity, 4) if bypass_plan else 0.0,
+            signals=bypass_plan.signals.as_dict() if bypass_plan else None,
+            quality_flags=self._quality_flags(ledger.pruning_ratio, report),
             quality=report,
             peak_memory_bytes=peak,
             peak_memory_source=memory.source,
@@ -297,6 +314,14 @@ class PruningEngine:
             raise RuntimeError("generation ended without a result")
         return result
 
+    def _quality_flags(self, ratio: float, report) -> list[str]:
+        flags = []
+        if ratio > self.settings.ratio_red_line:
+            flags.append("ratio_above_red_line")
+        if report is not None and report.token_agreement < self.settings.agreement_floor:
+            flags.append("agreement_below_floor")
+        return flags
+
     def _log(self, stats: RequestStats, bypass_plan: BypassPlan | None, level: LogLevel) -> None:
         if level == LogLevel.NONE:
             return
@@ -306,6 +331,7 @@ class PruningEngine:
             stats.completion_tokens, stats.fallback_reason,
         )
         if level == LogLevel.DETAILED and bypass_plan is not None:
+            logger.info("request %s signals %s", stats.request_id, bypass_plan.signals.as_dict())
             for d in bypass_plan.decisions:
                 logger.info(
                     "request %s layer=%d influence=%.5f threshold=%.5f decision=%s",

@@ -9,6 +9,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.anomaly import AnomalyLimits
+from engine.signals import SignalWeights
+
 
 class LogLevel(str, Enum):
     """How much the engine logs about each request's pruning decisions."""
@@ -48,6 +51,18 @@ class EngineSettings(BaseSettings):
         ),
     )
     max_new_tokens: int = Field(64, ge=1, le=8192, description="Default completion length.")
+    fallback_on_anomaly: bool = Field(
+        True, description="Run dense (and say why) on anomalous input or a prompt outside every domain."
+    )
+    anomaly_limits: AnomalyLimits = Field(default_factory=AnomalyLimits, description="Fallback thresholds.")
+    signal_weights: SignalWeights = Field(default_factory=SignalWeights, description="Adaptive-threshold weights.")
+    ratio_red_line: float = Field(
+        0.44, ge=0.0, le=1.0,
+        description="Pruning ratio above which quality risk is flagged (quality fell above 0.45 in the field).",
+    )
+    agreement_floor: float = Field(
+        0.90, ge=0.0, le=1.0, description="Token agreement with the dense model below which a request is flagged."
+    )
     calibration_dir: Path | None = Field(
         None, description="Where calibrations are cached; default ~/.cache/prunewatch/calibration."
     )

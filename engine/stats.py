@@ -57,6 +57,9 @@ class RequestStats:
     domain: str | None = None  # calibrated domain the prompt matched best
     domain_confidence: float = 0.0  # softmax weight of that domain, 0..1
     fallback_reason: str | None = None  # why the request ran dense although sensitivity > 0
+    effective_sensitivity: float = 0.0  # sensitivity after the adaptive-threshold signals
+    signals: dict[str, Any] | None = None  # each signal's value and factor (see engine/signals.py)
+    quality_flags: list[str] = field(default_factory=list)  # ratio_above_red_line, agreement_below_floor
     quality: QualityReport | None = None
     peak_memory_bytes: int = 0
     peak_memory_source: str = "rss_delta"  # or "cuda_max_allocated"

@@ -112,5 +112,35 @@ def run(
                f"store {settings.db_url}")
 
 
+@app.command("calibrate")
+def calibrate_command(
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    probes: Path = typer.Option(None, help="Probes YAML whose texts calibrate each domain (default: canonical)."),
+    out: Path = typer.Option(Path("calibration"), help="Folder for the calibration JSON and heatmap PNG."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+) -> None:
+    """Measure per-domain block influence on the dense model; write JSON + a heatmap PNG."""
+    from rich.progress import Progress
+
+    from engine import EngineError, EngineSettings, PruningEngine
+    from engine.heatmap import write_heatmap
+    from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+
+    try:
+        probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
+        engine = PruningEngine.load(EngineSettings(model_dir=model, device=device))
+    except (EngineError, ProbeFileError) as exc:
+        raise fail(str(exc))
+    texts = probe_set.calibration_texts()
+    with Progress() as progress:
+        task = progress.add_task("calibrating", total=sum(len(t) for t in texts.values()))
+        calibration = engine.calibrate(texts, probe_set.digest,
+                                       progress=lambda done, total: progress.update(task, completed=done))
+    json_path = out / f"{engine.name}.calibration.json"
+    calibration.save(json_path)
+    png_path = write_heatmap(calibration, out / f"{engine.name}.heatmap.png")
+    typer.echo(f"wrote {json_path} and {png_path} (model fingerprint {calibration.model_fingerprint[:12]})")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()

@@ -1,0 +1,43 @@
+# Two entry points for a fresh machine: `make run` (the embedded main job) and `make test`.
+# Each sets up what it needs: a virtualenv with the pinned CPU torch, the project, the compiled
+# kernels, and (for tests) the Debian servers the integration tests start on 127.0.0.1.
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.prunewatch-installed
+ROUNDS ?=
+RUN_ARGS ?= $(if $(ROUNDS),--rounds $(ROUNDS),)
+PYTEST_ARGS ?=
+DEBIAN_PACKAGES := postgresql prometheus prometheus-alertmanager chromium chromium-driver poppler-utils
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup system-deps run test kernels clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+kernels: setup
+	@if [ -f engine/sparse/build.py ]; then $(BIN)/python -m engine.sparse.build; fi
+
+system-deps:
+	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+run: kernels
+	$(BIN)/prunewatch run $(RUN_ARGS)
+
+test: system-deps kernels
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

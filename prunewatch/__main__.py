@@ -1,0 +1,5 @@
+"""`python -m prunewatch` runs the command line."""
+
+from prunewatch.cli import app
+
+app()

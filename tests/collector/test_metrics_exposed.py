@@ -1,0 +1,54 @@
+"""The collector's metrics carry the documented names, labels and buckets, and are served on /metrics."""
+
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, start_http_server
+
+from collector.metrics import LATENCY_BUCKETS, CollectorMetrics
+from tests.collector.factories import ok_result
+from tests.support.servers import free_port
+
+
+def test_samples_after_one_ok_and_one_failed_result():
+    metrics = CollectorMetrics(CollectorRegistry())
+    metrics.record(ok_result())
+    metrics.record(ok_result(status="failed", failure_reason="timeout", result_id="f" * 32))
+    get = metrics.registry.get_sample_value
+    labels = {"model": "probe-llama", "domain": "tech"}
+    assert get("prunewatch_pruning_ratio", {**labels, "probe": "tech-route"}) == 0.3125
+    assert get("prunewatch_tokens_per_second", labels) == 19.04
+    assert get("prunewatch_inference_latency_seconds_count", labels) == 1
+    assert get("prunewatch_inference_latency_seconds_sum", labels) == pytest.approx(0.42025)
+    assert get("prunewatch_inference_latency_seconds_bucket", {**labels, "le": "0.3"}) == 0
+    assert get("prunewatch_inference_latency_seconds_bucket", {**labels, "le": "0.5"}) == 1
+    assert get("prunewatch_probe_failures_total", {**labels, "reason": "timeout"}) == 1
+    assert get("prunewatch_probe_results_total", {**labels, "status": "ok"}) == 1
+    assert get("prunewatch_token_agreement", {**labels, "probe": "tech-route"}) == 0.875
+    assert get("prunewatch_dram_bytes_per_instruction", {**labels, "source": "estimate"}) == 5.5
+
+
+def test_latency_buckets_are_the_documented_ones():
+    assert LATENCY_BUCKETS == (0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
+
+
+def test_absent_ratio_is_not_exported_as_zero():
+    metrics = CollectorMetrics(CollectorRegistry())
+    metrics.record(ok_result(pruning_ratio=None, ratio_source=None))
+    assert metrics.registry.get_sample_value(
+        "prunewatch_pruning_ratio", {"model": "probe-llama", "domain": "tech", "probe": "tech-route"}) is None
+
+
+def test_served_over_http():
+    metrics = CollectorMetrics(CollectorRegistry())
+    metrics.record(ok_result())
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+    assert 'prunewatch_pruning_ratio{domain="tech",model="probe-llama",probe="tech-route"} 0.3125' in body
+    assert 'prunewatch_inference_latency_seconds_bucket{domain="tech",le="0.8",model="probe-llama"} 1.0' in body
+    assert "# TYPE prunewatch_probe_failures_total counter" in body
+    assert "# TYPE prunewatch_tokens_per_second gauge" in body

@@ -1,0 +1,79 @@
+"""A failed probe is data, not a crash; a failing exporter never costs the others their result."""
+
+from dataclasses import replace
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy.orm import Session
+
+from collector.exporters import SqlExporter
+from collector.metrics import CollectorMetrics
+from collector.probe_round import run_round
+from collector.store import ResultRepository, connect, create_schema
+from engine.errors import InvalidRequestError
+from engine.stats import GenerationResult, RequestStats
+from probes import ProbeSet
+from tests.collector.factories import PROBE
+
+SECOND = replace(PROBE, id="tech-second")
+THIRD = replace(PROBE, id="tech-third")
+
+
+def stats(model: str = "fake") -> RequestStats:
+    return RequestStats(request_id="x", model=model, device="cpu", dtype="float32", prompt_tokens=5,
+                        completion_tokens=4, preprocessing_ms=1.0, inference_ms=200.0, postprocessing_ms=2.0,
+                        ttft_ms=50.0, decode_tokens_per_s=20.0, tokens_per_s=20.0, sensitivity=0.5,
+                        pruning_ratio=0.25, executed_flops=75, dense_flops=100)
+
+
+class ScriptedTarget:
+    """Fails the probes named in `failures` with the given exception, succeeds on the rest."""
+
+    name = "scripted"
+    model = "fake"
+
+    def __init__(self, failures: dict[str, Exception]) -> None:
+        self.failures = failures
+
+    def run_probe(self, probe):
+        if probe.id in self.failures:
+            raise self.failures[probe.id]
+        return GenerationResult(text="ok", token_ids=[1, 2, 3, 4], stats=stats())
+
+
+class BrokenExporter:
+    def __init__(self):
+        self.calls = 0
+
+    def record(self, result):
+        self.calls += 1
+        raise RuntimeError("disk full")
+
+
+def test_failures_become_rows_and_counter_increments(tmp_path):
+    db = connect(f"sqlite:///{tmp_path / 'r.db'}")
+    create_schema(db)
+    metrics = CollectorMetrics(CollectorRegistry())
+    broken = BrokenExporter()
+    target = ScriptedTarget({SECOND.id: TimeoutError("probe exceeded 5 s"),
+                             THIRD.id: InvalidRequestError("sensitivity must be within [0, 1], got 2")})
+    summary = run_round(target, ProbeSet((PROBE, SECOND, THIRD), "test"), [broken, SqlExporter(db), metrics])
+
+    assert (summary.ok, summary.failed, summary.export_errors) == (1, 2, 3)
+    assert broken.calls == 3
+    with Session(db) as session:
+        rows = {r.probe_id: r for r in ResultRepository(session).list()}
+    assert rows[PROBE.id].status == "ok" and rows[PROBE.id].pruning_ratio == 0.25
+    assert (rows[SECOND.id].status, rows[SECOND.id].failure_reason) == ("failed", "timeout")
+    assert rows[SECOND.id].error_message == "TimeoutError: probe exceeded 5 s"
+    assert rows[SECOND.id].pruning_ratio is None
+    assert rows[THIRD.id].failure_reason == "invalid_request"
+    get = metrics.registry.get_sample_value
+    assert get("prunewatch_probe_failures_total", {"model": "fake", "domain": "tech", "reason": "timeout"}) == 1
+    assert get("prunewatch_probe_failures_total", {"model": "fake", "domain": "tech", "reason": "invalid_request"}) == 1
+    assert get("prunewatch_probe_results_total", {"model": "fake", "domain": "tech", "status": "ok"}) == 1
+    with Session(db) as session:
+        from collector.store.models import RoundRow
+
+        round_row = session.get(RoundRow, summary.round_id)
+        assert (round_row.probes_ok, round_row.probes_failed) == (1, 2)
+        assert round_row.finished_at is not None

@@ -1,0 +1,61 @@
+"""Shared fixtures: the bundled probe model, one loaded engine, real servers, a real collector run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.support.servers import postgres_available, postgres_server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROBE_MODEL_DIR = REPO_ROOT / "engine" / "models" / "probe-llama"
+
+
+@pytest.fixture(scope="session")
+def probe_model_dir() -> Path:
+    if not (PROBE_MODEL_DIR / "model.safetensors").is_file():
+        pytest.fail(f"bundled probe model missing at {PROBE_MODEL_DIR}; run `prunewatch build-model`")
+    return PROBE_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def calibration_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("calibration")
+
+
+@pytest.fixture(scope="session")
+def probe_engine(probe_model_dir: Path, calibration_dir: Path):
+    """One calibrated engine on the CPU for the whole session (loading and calibrating cost seconds)."""
+    from engine import EngineSettings, PruningEngine
+    from probes import load_probes
+
+    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir))
+    probe_set = load_probes()
+    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    return engine
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator:
+    """A real PostgreSQL server for the session (initdb + pg_ctl on a temp dir and a free port)."""
+    if not postgres_available():
+        pytest.fail("PostgreSQL server binaries are not installed (apt-get install postgresql)")
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def collected_sqlite(tmp_path_factory, probe_model_dir: Path, calibration_dir: Path) -> str:
+    """A SQLite store filled by a real two-round embedded collector run; returns its URL."""
+    from collector.embedded import run_embedded
+    from collector.settings import CollectorSettings
+
+    path = tmp_path_factory.mktemp("store") / "collected.db"
+    url = f"sqlite:///{path}"
+    outcome = run_embedded(CollectorSettings(db_url=url, rounds=2, interval_s=1.0, metrics_port=0,
+                                             model_dir=probe_model_dir, device="cpu"),
+                           calibration_dir=calibration_dir)
+    assert outcome.rounds == 2 and outcome.failures == 0
+    return url
