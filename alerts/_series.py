@@ -1,0 +1,229 @@
+"""The collector's metrics rebuilt as time series from stored probe results.
+
+Each stored result is what `CollectorMetrics.record` saw, at its `created_at`: gauges become one
+sample per result, counters and histograms become events (an increment at that instant). This
+mirrors collector/metrics.py family by family; a test replays real results through both and
+compares, so the two cannot drift apart.
+
+What Prometheus would add on top (scrape timestamps, job/instance labels, counter resets) does
+not exist here; a metric that is not derived from probe results (the collector's buffer depth, the
+engine server's own metrics) is unknown to this source and reported as such.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from prometheus_client.utils import floatToGoString
+
+from collector.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, PROBE_DURATION_BUCKETS
+from collector.results import ProbeResult
+
+Labels = tuple[tuple[str, str], ...]
+"""Sorted (name, value) pairs, `__name__` included."""
+
+NAME = "__name__"
+
+
+def labels_of(**values: str) -> Labels:
+    return tuple(sorted(values.items()))
+
+
+@dataclass
+class GaugeSeries:
+    """Samples of one gauge series, sorted by time (seconds since the epoch)."""
+
+    labels: Labels
+    times: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+    def last_in(self, start: float, end: float) -> float | None:
+        """Value of the newest sample in [start, end], or None."""
+        i = bisect.bisect_right(self.times, end) - 1
+        if i >= 0 and self.times[i] >= start:
+            return self.values[i]
+        return None
+
+    def window(self, start: float, end: float) -> list[float]:
+        """Values of the samples in [start, end] (both ends included, as Prometheus 2.x ranges are)."""
+        lo = bisect.bisect_left(self.times, start)
+        hi = bisect.bisect_right(self.times, end)
+        return self.values[lo:hi]
+
+
+@dataclass
+class CounterSeries:
+    """Increments of one counter series at the instants they happened, sorted by time."""
+
+    labels: Labels
+    times: list[float] = field(default_factory=list)
+    increments: list[float] = field(default_factory=list)
+    _prefix: list[float] | None = field(default=None, repr=False)
+
+    def exists_at(self, at: float) -> bool:
+        return bool(self.times) and self.times[0] <= at
+
+    def increase(self, start: float, end: float) -> float:
+        """Sum of increments in (start, end]: the sample at a range's start is the baseline, as in rate()."""
+        if self._prefix is None:
+            self._prefix = [0.0]
+            for inc in self.increments:
+                self._prefix.append(self._prefix[-1] + inc)
+        lo = bisect.bisect_right(self.times, start)
+        hi = bisect.bisect_right(self.times, end)
+        return self._prefix[hi] - self._prefix[lo]
+
+    def any_in(self, start: float, end: float) -> bool:
+        """Whether an increment happened in [start, end]."""
+        lo = bisect.bisect_left(self.times, start)
+        return lo < len(self.times) and self.times[lo] <= end
+
+
+@dataclass(frozen=True)
+class _GaugeSpec:
+    labels: Callable[[ProbeResult], dict[str, str]]
+    value: Callable[[ProbeResult], float | None]
+    ok_only: bool = True
+
+
+@dataclass(frozen=True)
+class _HistogramSpec:
+    labels: Callable[[ProbeResult], dict[str, str]]
+    seconds: Callable[[ProbeResult], float | None]
+    buckets: tuple[float, ...]
+    ok_only: bool = True
+
+
+def _md(r: ProbeResult) -> dict[str, str]:
+    return {"model": r.model, "domain": r.domain}
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value / 1000.0
+
+
+GAUGES: dict[str, _GaugeSpec] = {
+    "prunewatch_pruning_ratio": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id}, lambda r: r.pruning_ratio),
+    "prunewatch_token_agreement": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id}, lambda r: r.token_agreement),
+    "prunewatch_tokens_per_second": _GaugeSpec(_md, lambda r: r.tokens_per_s),
+    "prunewatch_dram_bytes_per_instruction": _GaugeSpec(
+        lambda r: {**_md(r), "source": r.dram_source or "estimate"}, lambda r: r.dram_bytes_per_instruction),
+    "prunewatch_last_success_timestamp_seconds": _GaugeSpec(
+        lambda r: {"model": r.model, "target": r.target}, lambda r: r.created_at.timestamp()),
+}
+"""Gauge families of CollectorMetrics: the value each successful result sets."""
+
+HISTOGRAMS: dict[str, _HistogramSpec] = {
+    "prunewatch_inference_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.inference_ms), LATENCY_BUCKETS),
+    "prunewatch_preprocessing_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.preprocessing_ms), PHASE_BUCKETS),
+    "prunewatch_postprocessing_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.postprocessing_ms),
+                                                                PHASE_BUCKETS),
+    "prunewatch_time_to_first_token_seconds": _HistogramSpec(_md, lambda r: _ms(r.ttft_ms), PHASE_BUCKETS),
+    "prunewatch_probe_duration_seconds": _HistogramSpec(
+        lambda r: {"model": r.model, "target": r.target, "status": r.status}, lambda r: _ms(r.duration_ms),
+        PROBE_DURATION_BUCKETS, ok_only=False),
+}
+"""Histogram families of CollectorMetrics: the observation each result makes, in seconds."""
+
+COUNTERS: dict[str, Callable[[ProbeResult], dict[str, str] | None]] = {
+    "prunewatch_probe_results_total": lambda r: {**_md(r), "status": r.status},
+    "prunewatch_probe_failures_total":
+        lambda r: None if r.ok else {**_md(r), "reason": r.failure_reason or "exception"},
+}
+"""Counter families of CollectorMetrics (exposed names): the labels a result increments, or None."""
+
+
+def counter_names() -> set[str]:
+    names = set(COUNTERS)
+    for family in HISTOGRAMS:
+        names.update({f"{family}_bucket", f"{family}_count", f"{family}_sum"})
+    return names
+
+
+class StoreSeries:
+    """Series of every metric family derivable from `results`, built once per family on demand."""
+
+    def __init__(self, results: Iterable[ProbeResult]) -> None:
+        self.results = sorted(results, key=lambda r: (r.created_at, r.result_id))
+        self._gauges: dict[str, list[GaugeSeries]] = {}
+        self._counters: dict[str, list[CounterSeries]] = {}
+
+    @staticmethod
+    def kind(metric: str) -> str | None:
+        """"gauge", "counter" or None for a metric this source cannot produce."""
+        if metric in GAUGES:
+            return "gauge"
+        if metric in counter_names():
+            return "counter"
+        return None
+
+    def gauges(self, metric: str) -> list[GaugeSeries]:
+        if metric not in self._gauges:
+            spec = GAUGES[metric]
+            groups: dict[tuple[tuple[str, str], ...], GaugeSeries] = {}
+            for r in self.results:
+                if spec.ok_only and not r.ok:
+                    continue
+                value = spec.value(r)
+                if value is None:
+                    continue
+                key = tuple(spec.labels(r).items())
+                entry = groups.get(key)
+                if entry is None:
+                    entry = groups[key] = GaugeSeries(labels_of(**{NAME: metric}, **dict(key)))
+                entry.times.append(r.created_at.timestamp())
+                entry.values.append(float(value))
+            self._gauges[metric] = list(groups.values())
+        return self._gauges[metric]
+
+    def counters(self, metric: str) -> list[CounterSeries]:
+        if metric not in self._counters:
+            self._counters[metric] = self._build_counters(metric)
+        return self._counters[metric]
+
+    def _observations(self, labels: Callable[[ProbeResult], dict[str, str] | None],
+                      value: Callable[[ProbeResult], float | None], ok_only: bool
+                      ) -> dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]]:
+        """(times, values) of the results each label set saw, in one pass over the results."""
+        groups: dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]] = {}
+        for r in self.results:
+            if ok_only and not r.ok:
+                continue
+            observed = value(r)
+            names = labels(r) if observed is not None else None
+            if names is None:
+                continue
+            key = tuple(names.items())
+            entry = groups.get(key)
+            if entry is None:
+                entry = groups[key] = ([], [])
+            entry[0].append(r.created_at.timestamp())
+            entry[1].append(float(observed))
+        return groups
+
+    def _build_counters(self, metric: str) -> list[CounterSeries]:
+        def series(labels: dict[str, str], times: list[float], increments: list[float]) -> CounterSeries:
+            return CounterSeries(labels_of(**{NAME: metric}, **labels), times, increments)
+
+        if metric in COUNTERS:
+            groups = self._observations(COUNTERS[metric], lambda r: 1.0, ok_only=False)
+            return [series(dict(key), times, values) for key, (times, values) in groups.items()]
+        family, _, suffix = metric.rpartition("_")
+        spec = HISTOGRAMS[family]
+        groups = self._observations(spec.labels, spec.seconds, spec.ok_only)
+        out: list[CounterSeries] = []
+        for key, (times, values) in groups.items():
+            labels = dict(key)
+            if suffix == "count":
+                out.append(series(labels, times, [1.0] * len(values)))
+            elif suffix == "sum":
+                out.append(series(labels, times, values))
+            else:
+                # Cumulative buckets, as prometheus_client counts them; a zero increment still makes the
+                # bucket exist, as every bucket of a labelled histogram does from its first observation.
+                for bound in (*spec.buckets, float("inf")):
+                    increments = [1.0 if v <= bound else 0.0 for v in values]
+                    out.append(series({**labels, "le": floatToGoString(bound)}, times, increments))
+        return out

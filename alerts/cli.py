@@ -1,0 +1,116 @@
+"""`prunewatch alerts ...` commands: render the rule file, check what runs without Prometheus, evaluate once.
+
+Plain functions with typer options; the `prunewatch` app mounts them (render-rules, check, eval).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+import typer
+
+from prunewatch.cli_errors import fail, first_validation_error
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from alerts.settings import ALERTMANAGER_PATH, RULES_PATH
+
+
+def render_rules_command(
+    out: Path = typer.Option(None, "--out", help="Write the rule file here (default: print it)."),
+    check: bool = typer.Option(False, "--check", help="Do not write: exit 1 when --out differs from the rendering."),
+) -> None:
+    """Render rules.yml from the PromQL constants and the thresholds (PRUNEWATCH_RULE_* variables)."""
+    from alerts.rules import render_rules
+    from alerts.settings import RuleSettings
+
+    try:
+        text = render_rules(RuleSettings())
+    except ValidationError as exc:
+        raise fail(f"invalid rule settings: {first_validation_error(exc)}")
+    if out is None:
+        if check:
+            raise fail("--check needs --out (the file to compare)")
+        typer.echo(text, nl=False)
+        return
+    if check:
+        current = out.read_text() if out.is_file() else None
+        if current != text:
+            typer.echo(f"{out} differs from the rendered rules; run `prunewatch alerts render-rules --out {out}`",
+                       err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{out} is up to date")
+        return
+    try:
+        out.write_text(text)
+    except OSError as exc:
+        raise fail(f"cannot write {out}: {exc.strerror or exc}")
+    typer.echo(f"wrote {out}")
+
+
+def check_command(
+    rules: Path = typer.Option(RULES_PATH, "--rules", help="Rule file to check."),
+    alertmanager: Path = typer.Option(ALERTMANAGER_PATH, "--alertmanager", help="Alertmanager config (inhibit rules)."),
+) -> None:
+    """List which alert rules the embedded evaluator runs and which only Prometheus can (with the reason)."""
+    from alerts.inhibit import load_inhibit_rules
+    from alerts.ruleset import RuleFileError, load_rules
+
+    try:
+        rule_file = load_rules(rules)
+        inhibit = load_inhibit_rules(alertmanager)
+    except RuleFileError as exc:
+        raise fail(str(exc))
+    table = Table(title=f"{rules}: alert rules without Prometheus")
+    for column in ("rule", "severity", "for", "embedded evaluator"):
+        table.add_column(column)
+    for rule in rule_file.alerting:
+        table.add_row(rule.name, dict(rule.labels).get("severity", ""), f"{rule.hold_s:g}s", "evaluated")
+    for rule in rule_file.unsupported:
+        table.add_row(rule.name, "", "", f"Prometheus only: {rule.reason}")
+    Console(width=160).print(table)
+    typer.echo(f"{len(rule_file.alerting)} evaluated, {len(rule_file.unsupported)} Prometheus only, "
+               f"{len(inhibit)} inhibit rules from {alertmanager}")
+
+
+def eval_command(
+    db: str = typer.Option("sqlite:///prunewatch.db", "--db", help="SQLAlchemy URL of the result store."),
+    rules: Path = typer.Option(RULES_PATH, "--rules", help="Rule file to evaluate."),
+    at: str = typer.Option(None, "--at", help="Evaluation time, ISO 8601 (default: now, UTC)."),
+) -> None:
+    """Evaluate every rule once over the store and show the alerts whose condition holds (nothing is posted)."""
+    from alerts.embedded import EmbeddedAlerting
+    from alerts.ruleset import RuleFileError
+    from alerts.settings import AlertingSettings
+    from collector.store import StoreUnavailableError, connect
+
+    try:
+        when = datetime.fromisoformat(at) if at else datetime.now(timezone.utc)
+    except ValueError:
+        raise fail(f"--at {at!r} is not an ISO 8601 time such as 2026-03-02T09:00:00+00:00")
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    try:
+        engine = connect(db)
+    except StoreUnavailableError as exc:
+        raise fail(str(exc))
+    try:
+        alerting = EmbeddedAlerting(AlertingSettings(rules_path=rules, state_path=None), engine)
+        evaluation = alerting.evaluate(when)
+    except RuleFileError as exc:
+        raise fail(str(exc))
+    finally:
+        engine.dispose()
+    table = Table(title=f"alerts at {when.isoformat()} (one evaluation: holds longer than 0s show as pending)")
+    for column in ("rule", "labels", "value (from the rule's expression)", "state"):
+        table.add_column(column)
+    for alert in alerting.evaluator.alerts():
+        labels = ", ".join(f"{k}={v}" for k, v in alert.labels if k != "alertname")
+        table.add_row(alert.rule, labels, f"{alert.value:.4g}", alert.state)
+    Console(width=160).print(table)
+    for error in evaluation.errors:
+        typer.echo(f"rule {error.rule} failed: {error.message}", err=True)
+    for rule in alerting.unsupported:
+        typer.echo(f"not evaluated without Prometheus: {rule}")

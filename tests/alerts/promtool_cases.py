@@ -1,0 +1,190 @@
+"""Read alerts/rules_test.yml and turn a test's input series into the probe results that would produce them.
+
+The conversion is the inverse of CollectorMetrics.record: a gauge sample is one successful result
+carrying that value; a counter's increase between two samples is that many results; a histogram's
+per-bucket increase is that many results with a latency inside the bucket. Inputs that no stored
+result could produce (a metric the store does not hold, a counter starting above zero, a declared
+result count smaller than the samples needing results) raise `NotConvertible`, so the comparison
+never runs on a silently different history.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from alerts.durations import parse_duration
+from collector.metrics import LATENCY_BUCKETS
+from collector.results import ProbeResult
+
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # promtool evaluates from Unix time 0
+GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_token_agreement": "token_agreement"}
+BUCKET_METRIC = "prunewatch_inference_latency_seconds_bucket"
+RESULTS = "prunewatch_probe_results_total"
+FAILURES = "prunewatch_probe_failures_total"
+
+
+class NotConvertible(ValueError):
+    """These input series describe something stored probe results cannot reproduce."""
+
+
+@dataclass(frozen=True)
+class InputSeries:
+    metric: str
+    labels: dict[str, str]
+    values: list[float | None]  # one per interval from t=0; None is promtool's `_` (no sample)
+
+
+def expand_values(text: str) -> list[float | None]:
+    """promtool's expanding notation: `a`, `_`, `axn`, `a+bxn`, `a-bxn`, `_xn`."""
+    out: list[float | None] = []
+    for token in text.split():
+        if token == "_":
+            out.append(None)
+            continue
+        if m := re.fullmatch(r"_x(\d+)", token):
+            out.extend([None] * int(m.group(1)))
+            continue
+        if m := re.fullmatch(r"(-?[\d.e]+)(?:([+-])([\d.e]+))?x(\d+)", token):
+            start, sign, step, n = float(m.group(1)), m.group(2), float(m.group(3) or 0), int(m.group(4))
+            step = -step if sign == "-" else step
+            out.extend(start + i * step for i in range(n + 1))
+            continue
+        out.append(float(token))
+    return out
+
+
+def parse_series(text: str) -> tuple[str, dict[str, str]]:
+    m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?", text.strip())
+    if m is None:
+        raise ValueError(f"cannot parse series {text!r}")
+    labels = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+    return m.group(1), labels
+
+
+def load_cases(path: Path) -> tuple[timedelta, list[dict[str, Any]]]:
+    data = yaml.safe_load(path.read_text())
+    return parse_duration(data.get("evaluation_interval", "1m")), data["tests"]
+
+
+def input_series(case: dict[str, Any]) -> tuple[timedelta, list[InputSeries]]:
+    interval = parse_duration(case.get("interval", "1m"))
+    series = []
+    for raw in case["input_series"]:
+        metric, labels = parse_series(raw["series"])
+        series.append(InputSeries(metric, labels, expand_values(str(raw["values"]))))
+    return interval, series
+
+
+def _increments(s: InputSeries) -> dict[int, int]:
+    """Counter increase per sample index; the first sample must be 0 (no result before t=0)."""
+    out: dict[int, int] = {}
+    previous: float | None = None
+    for i, value in enumerate(s.values):
+        if value is None:
+            continue
+        if previous is None:
+            if value != 0:
+                raise NotConvertible(f"{s.metric}{s.labels} starts at {value}, not 0")
+        else:
+            delta = value - previous
+            if delta < 0 or delta != int(delta):
+                raise NotConvertible(f"{s.metric}{s.labels} changes by {delta} at sample {i}")
+            if delta:
+                out[i] = int(delta)
+        previous = value
+    return out
+
+
+def _bucket_values(series: list[InputSeries]) -> dict[int, list[float]]:
+    """Latencies (seconds) observed at each sample index, one inside each bucket an increase fell into."""
+    bounds = {float(s.labels["le"]): s for s in series}
+    expected = sorted((*LATENCY_BUCKETS, float("inf")))
+    if sorted(bounds) != expected:
+        raise NotConvertible(f"latency buckets {sorted(bounds)} differ from the collector's {expected}")
+    cumulative = {bound: _increments(s) for bound, s in bounds.items()}
+    steps = sorted({i for inc in cumulative.values() for i in inc})
+    out: dict[int, list[float]] = {}
+    for i in steps:
+        observed: list[float] = []
+        lower, below = 0.0, 0
+        for bound in expected:
+            count = cumulative[bound].get(i, 0)
+            if count < below:
+                raise NotConvertible(f"bucket le={bound} grows less than a lower bucket at sample {i}")
+            value = (lower + bound) / 2 if bound != float("inf") else lower * 2
+            observed.extend([value] * (count - below))
+            lower, below = bound, count
+        out[i] = observed
+    return out
+
+
+def results_for(case: dict[str, Any]) -> list[ProbeResult]:
+    """The probe results whose metrics are this case's input series."""
+    interval, series = input_series(case)
+    gauges: dict[tuple[int, str, str], dict[str, dict[str, float]]] = defaultdict(dict)
+    ok_declared: dict[tuple[int, str, str], int] = {}
+    failed_declared: dict[tuple[int, str, str], int] = {}
+    failures: dict[tuple[int, str, str], list[str]] = defaultdict(list)
+    buckets: dict[tuple[str, str], list[InputSeries]] = defaultdict(list)
+    has_ok_series: set[tuple[str, str]] = set()
+    for s in series:
+        model, domain = s.labels.get("model", ""), s.labels.get("domain", "")
+        if s.metric in GAUGE_FIELDS:
+            for i, value in enumerate(s.values):
+                if value is not None:
+                    gauges[(i, model, domain)].setdefault(s.labels["probe"], {})[GAUGE_FIELDS[s.metric]] = value
+        elif s.metric == RESULTS:
+            target = ok_declared if s.labels["status"] == "ok" else failed_declared
+            if s.labels["status"] == "ok":
+                has_ok_series.add((model, domain))
+            for i, n in _increments(s).items():
+                target[(i, model, domain)] = n
+        elif s.metric == FAILURES:
+            for i, n in _increments(s).items():
+                failures[(i, model, domain)].extend([s.labels["reason"]] * n)
+        elif s.metric == BUCKET_METRIC:
+            buckets[(model, domain)].append(s)
+        else:
+            raise NotConvertible(f"metric {s.metric} is not produced from stored probe results")
+    latencies: dict[tuple[int, str, str], list[float]] = {}
+    for (model, domain), group in buckets.items():
+        for i, values in _bucket_values(group).items():
+            latencies[(i, model, domain)] = values
+    keys = set(gauges) | set(ok_declared) | set(failed_declared) | set(failures) | set(latencies)
+    results: list[ProbeResult] = []
+    for key in sorted(keys):
+        i, model, domain = key
+        at = EPOCH + interval * i
+        probes = gauges.get(key, {})
+        observed = latencies.get(key, [])
+        needed = max(len(probes), len(observed))
+        n_ok = ok_declared.get(key, 0) if (model, domain) in has_ok_series else needed
+        if n_ok < needed:
+            raise NotConvertible(f"{n_ok} ok results at {at} cannot carry {needed} samples")
+        names = sorted(probes)
+        for j in range(n_ok):
+            probe = names[j] if j < len(names) else f"{domain}-probe-{j}"
+            fields = probes.get(probe, {})
+            results.append(_result(at, model, domain, probe, "ok", i, len(results), **fields,
+                                   inference_ms=observed[j] * 1000 if j < len(observed) else None))
+        reasons = failures.get(key, [])
+        if key in failed_declared and failed_declared[key] != len(reasons):
+            raise NotConvertible(f"{failed_declared[key]} failed results but {len(reasons)} failure reasons at {at}")
+        for j, reason in enumerate(reasons):
+            results.append(_result(at, model, domain, f"{domain}-probe-{j}", "failed", i, len(results),
+                                   failure_reason=reason))
+    return results
+
+
+def _result(at: datetime, model: str, domain: str, probe: str, status: str, step: int, n: int,
+            **fields: Any) -> ProbeResult:
+    return ProbeResult(target="embedded", model=model, probe_id=probe, probe_version=1, probe_hash="0" * 16,
+                       domain=domain, status=status, round_id=f"{step:032d}", result_id=f"{step:020d}{n:012d}",
+                       created_at=at, **fields)

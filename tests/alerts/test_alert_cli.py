@@ -1,0 +1,69 @@
+"""The `prunewatch alerts` command functions, mounted on a local app as the lead mounts them."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from alerts import RULES_PATH
+from alerts.cli import check_command, eval_command, render_rules_command
+from tests.alerts.conftest import T0, result, store_results
+
+app = typer.Typer()
+app.command("render-rules")(render_rules_command)
+app.command("check")(check_command)
+app.command("eval")(eval_command)
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    for name in list(os.environ):
+        if name.startswith(("PRUNEWATCH_RULE_", "PRUNEWATCH_ALERT_")):
+            monkeypatch.delenv(name)
+    return CliRunner()
+
+
+def test_render_rules_writes_and_checks(runner: CliRunner, tmp_path: Path) -> None:
+    out = tmp_path / "rules.yml"
+    assert runner.invoke(app, ["render-rules", "--out", str(out)]).exit_code == 0
+    assert out.read_text() == RULES_PATH.read_text()
+    assert runner.invoke(app, ["render-rules", "--out", str(out), "--check"]).exit_code == 0
+    out.write_text(out.read_text().replace("> 0.44", "> 0.4"))
+    stale = runner.invoke(app, ["render-rules", "--out", str(out), "--check"])
+    assert stale.exit_code == 1 and "differs from the rendered rules" in stale.output
+
+
+def test_render_rules_refuses_bad_thresholds_in_one_line(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRUNEWATCH_RULE_LATENCY_SLO_S", "-1")
+    done = runner.invoke(app, ["render-rules"])
+    assert done.exit_code == 2
+    assert done.output.strip() == \
+        "error: invalid rule settings: latency_slo_s: Input should be greater than 0 (got '-1')"
+
+
+def test_check_lists_what_only_prometheus_evaluates(runner: CliRunner) -> None:
+    done = runner.invoke(app, ["check"])
+    assert done.exit_code == 0, done.output
+    assert "7 evaluated, 1 Prometheus only, 2 inhibit rules" in done.output
+    assert "CollectorBufferBacklog" in done.output and "Prometheus only" in done.output
+
+
+def test_check_rejects_a_missing_file(runner: CliRunner, tmp_path: Path) -> None:
+    done = runner.invoke(app, ["check", "--rules", str(tmp_path / "nope.yml")])
+    assert done.exit_code == 2 and done.output.startswith("error: cannot read rule file")
+
+
+def test_eval_shows_alerts_whose_condition_holds(runner: CliRunner, store, tmp_path: Path) -> None:
+    store_results(store, [result(T0, "legal", p, ratio=0.6) for p in ("legal-1", "legal-2")])
+    url = str(store.url)
+    done = runner.invoke(app, ["eval", "--db", url, "--at", (T0 + timedelta(seconds=5)).isoformat()])
+    assert done.exit_code == 0, done.output
+    assert done.output.count("PruningRatioQualityRisk") == 2 and "pending" in done.output
+    assert "0.6" in done.output
+    bad = runner.invoke(app, ["eval", "--db", url, "--at", "yesterday"])
+    assert bad.exit_code == 2 and "is not an ISO 8601 time" in bad.output

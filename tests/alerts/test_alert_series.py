@@ -1,0 +1,80 @@
+"""The store-derived series equal what CollectorMetrics exposes for the same results (no drift from metrics.py)."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy.orm import Session
+
+from alerts._series import GAUGES, NAME, StoreSeries, counter_names
+from collector.metrics import CollectorMetrics
+from collector.results import ProbeResult
+from collector.store import ResultRepository, connect
+from tests.alerts.conftest import T0, result
+
+
+def exposed(results: list[ProbeResult]) -> dict[tuple, float]:
+    """Every sample CollectorMetrics exposes after recording `results` (creation timestamps left out)."""
+    metrics = CollectorMetrics(registry=CollectorRegistry())
+    for r in results:
+        metrics.record(r)
+    out = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def derived(results: list[ProbeResult]) -> dict[tuple, float]:
+    """The same samples as the evaluator sees them at the newest result: last gauge values, counter totals."""
+    series = StoreSeries(results)
+    out = {}
+    end = max(r.created_at for r in results).timestamp()
+    for metric in GAUGES:
+        for s in series.gauges(metric):
+            out[(metric, tuple(kv for kv in s.labels if kv[0] != NAME))] = s.values[-1]
+    for metric in counter_names():
+        for s in series.counters(metric):
+            out[(metric, tuple(kv for kv in s.labels if kv[0] != NAME))] = s.increase(-math.inf, end)
+    return out
+
+
+def assert_same(results: list[ProbeResult]) -> None:
+    want, got = exposed(results), derived(results)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-12), key
+
+
+def test_synthetic_results_map_to_the_collector_metrics() -> None:
+    results = [
+        result(T0, "legal", "legal-1", ratio=0.31, inference_ms=950.0),
+        result(T0 + timedelta(seconds=1), "legal", "legal-2", ratio=None, agreement=None, inference_ms=None),
+        result(T0 + timedelta(seconds=2), "tech", "tech-1", ratio=0.5, inference_ms=80.0),
+        result(T0 + timedelta(seconds=3), "tech", "tech-1", ratio=0.45, inference_ms=6000.0),
+        result(T0 + timedelta(seconds=4), "tech", "tech-2", status="failed", reason="timeout"),
+        result(T0 + timedelta(seconds=5), "tech", "tech-2", status="failed", reason=None),
+    ]
+    results[0].tokens_per_s, results[0].dram_bytes_per_instruction, results[0].dram_source = 20.5, 3.5, "ncu"
+    results[2].preprocessing_ms, results[2].postprocessing_ms, results[2].ttft_ms = 2.0, 30.0, 75.0
+    for r in results:
+        r.duration_ms = 1234.0
+    assert_same(results)
+    series = StoreSeries(results)
+    failures = {dict(s.labels)["reason"] for s in series.counters("prunewatch_probe_failures_total")}
+    assert failures == {"timeout", "exception"}  # a failure without a reason is counted as "exception"
+
+
+def test_real_collector_results_map_to_the_collector_metrics(collected_sqlite: str) -> None:
+    engine = connect(collected_sqlite)
+    try:
+        with Session(engine) as session:
+            results = ResultRepository(session).list()
+    finally:
+        engine.dispose()
+    assert len(results) >= 6 and all(r.ok for r in results)
+    assert_same(results)
