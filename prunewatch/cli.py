@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from prunewatch.cli_errors import fail, first_validation_error
+
 app = typer.Typer(
     name="prunewatch",
     help="Observability and cost governance for pruned LLM inference.",
@@ -54,22 +56,6 @@ def build_model(
                f"weights sha256 {manifest['weights_sha256'][:12]}...)")
 
 
-def fail(message: str) -> "typer.Exit":
-    """Print a one-line error and give exit code 2 (bad input), without a traceback."""
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(2)
-
-
-def settings_error(exc: Exception) -> str:
-    """First pydantic validation error as `field: message`."""
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "value"
-        return f"{where}: {first.get('msg')} (got {first.get('input')!r})"
-    return str(exc)
-
-
 @app.command("run")
 def run(
     rounds: int = typer.Option(None, help="Stop after N probe rounds (default: run until Ctrl-C)."),
@@ -103,7 +89,7 @@ def run(
             model_dir=model, sensitivity=sensitivity, device=device, probes_path=probes or DEFAULT_PROBES_PATH,
         )
     except ValidationError as exc:
-        raise fail(settings_error(exc))
+        raise fail(first_validation_error(exc))
     try:
         outcome = run_embedded(settings)
     except (EngineError, ProbeFileError, StoreUnavailableError) as exc:
@@ -140,6 +126,26 @@ def calibrate_command(
     calibration.save(json_path)
     png_path = write_heatmap(calibration, out / f"{engine.name}.heatmap.png")
     typer.echo(f"wrote {json_path} and {png_path} (model fingerprint {calibration.model_fingerprint[:12]})")
+
+
+def _mount_groups() -> None:
+    """Command groups whose parts own their command functions."""
+    from alerts import cli as alerts_cli
+    from dashboards import cli as dashboards_cli
+
+    alerts_app = typer.Typer(help="Alert rules: render, check, evaluate over the store.", no_args_is_help=True)
+    alerts_app.command("render-rules")(alerts_cli.render_rules_command)
+    alerts_app.command("check")(alerts_cli.check_command)
+    alerts_app.command("eval")(alerts_cli.eval_command)
+    app.add_typer(alerts_app, name="alerts")
+
+    dashboards_app = typer.Typer(help="Grafana dashboards as code: export JSON, push to Grafana.", no_args_is_help=True)
+    dashboards_app.command("export")(dashboards_cli.export_command)
+    dashboards_app.command("push")(dashboards_cli.push_command)
+    app.add_typer(dashboards_app, name="dashboards")
+
+
+_mount_groups()
 
 
 def main() -> None:  # pragma: no cover - console entry point
