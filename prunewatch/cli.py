@@ -132,6 +132,10 @@ def _mount_groups() -> None:
     """Command groups whose parts own their command functions."""
     from alerts import cli as alerts_cli
     from dashboards import cli as dashboards_cli
+    from roi import cli as roi_cli
+
+    app.command("roi")(roi_cli.roi_command)
+    app.command("report")(roi_cli.report_command)
 
     alerts_app = typer.Typer(help="Alert rules: render, check, evaluate over the store.", no_args_is_help=True)
     alerts_app.command("render-rules")(alerts_cli.render_rules_command)

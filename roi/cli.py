@@ -1,0 +1,79 @@
+"""`prunewatch roi` (the Streamlit calculator) and `prunewatch report` (the CFO PDF + HTML report).
+
+Plain functions with typer options; the `prunewatch` app mounts them. Bad input ends with a
+one-line `error: ...` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from prunewatch.cli_errors import fail
+
+APP_PATH = Path(__file__).resolve().parent / "app.py"
+
+
+def roi_command(
+    db: str = typer.Option("sqlite:///prunewatch.db", help="SQLAlchemy URL of the result store."),
+    host: str = typer.Option("127.0.0.1", help="Address the app listens on."),
+    port: int = typer.Option(8501, min=1, max=65535, help="Port the app listens on."),
+    days: int = typer.Option(30, help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days)."),
+) -> None:
+    """Open the ROI calculator (Streamlit) on the store's measurements; PRUNEWATCH_ROI_PASSWORD locks it."""
+    from roi.errors import RoiStoreError
+    from roi.settings import DB_URL_ENV, DEFAULT_DAYS_ENV, PASSWORD_ENV, WINDOW_CHOICES_DAYS
+    from roi.store import check_store, safe_url
+
+    if days not in WINDOW_CHOICES_DAYS:
+        raise fail(f"--days must be one of {', '.join(map(str, WINDOW_CHOICES_DAYS))}, got {days}")
+    try:
+        check_store(db)
+    except RoiStoreError as exc:
+        raise fail(str(exc))
+    env = {**os.environ, DB_URL_ENV: db, DEFAULT_DAYS_ENV: str(days)}
+    lock = "password required" if os.environ.get(PASSWORD_ENV) else f"no password (set {PASSWORD_ENV} to require one)"
+    typer.echo(f"ROI app on http://{host}:{port} for store {safe_url(db)}; {lock}; Ctrl-C stops it")
+    sys.stdout.flush()
+    command = [sys.executable, "-m", "streamlit", "run", str(APP_PATH), "--server.address", host,
+               "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    os.execve(sys.executable, command, env)  # the app replaces this process, so signals reach Streamlit directly
+
+
+def report_command(
+    days: int = typer.Option(30, help="Measurement window in days: 30, 60 or 90."),
+    db: str = typer.Option("sqlite:///prunewatch.db", help="SQLAlchemy URL of the result store."),
+    out: Path = typer.Option(Path("report.pdf"), help="PDF to write."),
+    html: Path = typer.Option(None, help="HTML variant to write (default: next to the PDF, .html)."),
+    target: str = typer.Option(None, help="Only this target (default: every target in the store)."),
+    model: str = typer.Option(None, help="Only this model (default: every model)."),
+    assumptions: Path = typer.Option(None, help="JSON file of assumptions (the app's 'download assumptions')."),
+) -> None:
+    """Write the CFO report (PDF + HTML): savings with their basis, trends, method, assumptions, quality kept."""
+    from roi.assumptions import Assumptions
+    from roi.costs import Basis
+    from roi.errors import RoiError
+    from roi.formatting import payback_text, usd
+    from roi.report import REPORT_DAYS, generate_report
+
+    if days not in REPORT_DAYS:
+        raise fail(f"--days must be one of {', '.join(map(str, REPORT_DAYS))}, got {days}")
+    if out.suffix.lower() != ".pdf":
+        raise fail(f"--out must name a .pdf file, got {out}")
+    html_path = html or out.with_suffix(".html")
+    if html_path.resolve() == out.resolve():
+        raise fail("--html must differ from --out")
+    try:
+        chosen = Assumptions.from_file(assumptions) if assumptions else Assumptions()
+        data = generate_report(db, days, out, html_path, chosen, target=target, model=model)
+    except RoiError as exc:
+        raise fail(str(exc))
+    except OSError as exc:
+        raise fail(f"cannot write the report: {exc}")
+    costs = data.result.costs(Basis.ALLOCATION)
+    typer.echo(f"wrote {out} and {html_path}: savings {usd(costs.savings_per('month'))} per month on the allocation "
+               f"basis ({data.result.inputs.time_basis.value} GPU time after pruning), payback "
+               f"{payback_text(data.result.payback(Basis.ALLOCATION))}")

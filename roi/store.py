@@ -1,0 +1,68 @@
+"""Read probe results for a window from the collector's store (the ROI part's only I/O)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import inspect
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from collector.results import ProbeResult
+from collector.store import ResultRepository, StoreUnavailableError, connect
+from roi.errors import RoiStoreError
+from roi.measured import Window
+
+
+def safe_url(url: str) -> str:
+    """The URL with its password masked, for display."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable URL>"
+
+
+def _check_sqlite_file(url: str) -> None:
+    """Refuse a SQLite path that does not exist: connecting would silently create an empty store."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise RoiStoreError(f"invalid database URL: {exc}") from exc
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        if not Path(parsed.database).is_file():
+            raise RoiStoreError(f"no result store at {parsed.database}; run `prunewatch run --db {url}` first")
+
+
+def check_store(url: str) -> None:
+    """Fail early with a RoiStoreError when the store is missing, unreachable or has no results table."""
+    _check_sqlite_file(url)
+    try:
+        engine = connect(url)
+    except StoreUnavailableError as exc:
+        raise RoiStoreError(str(exc)) from exc
+    try:
+        if not inspect(engine).has_table("probe_results"):
+            raise RoiStoreError("the store has no probe results table yet; run the collector (`prunewatch run`) first")
+    except SQLAlchemyError as exc:
+        raise RoiStoreError(f"cannot read the store: {str(exc).splitlines()[0]}") from exc
+    finally:
+        engine.dispose()
+
+
+def load_results(url: str, window: Window, target: str | None = None) -> list[ProbeResult]:
+    """Every probe result in the window (optionally one target's), oldest first."""
+    _check_sqlite_file(url)
+    try:
+        engine = connect(url)
+    except StoreUnavailableError as exc:
+        raise RoiStoreError(str(exc)) from exc
+    try:
+        if not inspect(engine).has_table("probe_results"):
+            raise RoiStoreError("the store has no probe results table yet; run the collector (`prunewatch run`) first")
+        with Session(engine) as session:
+            return ResultRepository(session).list(since=window.start, until=window.end, target=target)
+    except SQLAlchemyError as exc:
+        raise RoiStoreError(f"cannot read probe results: {str(exc).splitlines()[0]}") from exc
+    finally:
+        engine.dispose()

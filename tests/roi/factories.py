@@ -1,0 +1,50 @@
+"""ProbeResults with round numbers, so ROI figures can be computed by hand in the tests."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from collector.results import ProbeResult
+from roi.measured import Window
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
+WINDOW = Window(start=T0 - timedelta(days=1), end=T0 + timedelta(days=1))
+
+
+def probe(probe_id: str = "tech-a", *, sensitivity: float = 0.5, inference_ms: float = 1000.0, ratio: float | None = 0.3,
+          prompt_tokens: int = 100, completion_tokens: int = 50, minutes: float = 0.0, target: str = "embedded",
+          model: str = "probe-llama", agreement: float | None = 0.9, version: int = 1) -> ProbeResult:
+    """A successful probe; sensitivity 0 makes it a dense-baseline run."""
+    return ProbeResult(
+        target=target, model=model, probe_id=probe_id, probe_version=version, probe_hash="h" * 16,
+        domain=probe_id.split("-")[0], status="ok", round_id="r" * 32, created_at=T0 + timedelta(minutes=minutes),
+        sensitivity=sensitivity, pruning_ratio=ratio if sensitivity > 0 else 0.0, ratio_unit="linear_flops",
+        ratio_source="measured", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        inference_ms=inference_ms, tokens_per_s=completion_tokens / inference_ms * 1000,
+        token_agreement=agreement if sensitivity > 0 else 1.0, perplexity_delta_pct=1.5 if sensitivity > 0 else 0.0)
+
+
+def failed(probe_id: str = "tech-a", *, reason: str = "timeout", minutes: float = 0.0, target: str = "embedded") -> ProbeResult:
+    return ProbeResult(target=target, model="probe-llama", probe_id=probe_id, probe_version=1, probe_hash="h" * 16,
+                       domain=probe_id.split("-")[0], status="failed", round_id="r" * 32,
+                       created_at=T0 + timedelta(minutes=minutes), failure_reason=reason, error_message="slow")
+
+
+def measured_basis_results() -> list[ProbeResult]:
+    """Two probes run pruned and dense, one pruned only, one failure.
+
+    Per-probe means: A pruned 3200 ms / dense 4000 ms; B pruned 1800 ms / dense 2400 ms; C pruned
+    only (1000 ms, not matched). Matched means: pruned 2500 ms, dense 3200 ms -> factor 0.78125.
+    Pruned tokens: prompt mean (100+100+160+40)/4 = 100, completion 50. Ratios mean 0.3.
+    Failure share 1/8 = 0.125.
+    """
+    return [
+        probe("tech-a", inference_ms=3000, ratio=0.3, prompt_tokens=100),
+        probe("tech-a", inference_ms=3400, ratio=0.3, prompt_tokens=100, minutes=1),
+        probe("legal-b", inference_ms=1800, ratio=0.2, prompt_tokens=160, minutes=2),
+        probe("finance-c", inference_ms=1000, ratio=0.4, prompt_tokens=40, minutes=3),
+        probe("tech-a", sensitivity=0.0, inference_ms=4000, minutes=4),
+        probe("legal-b", sensitivity=0.0, inference_ms=2000, minutes=5),
+        probe("legal-b", sensitivity=0.0, inference_ms=2800, minutes=6),
+        failed("finance-c", minutes=7),
+    ]

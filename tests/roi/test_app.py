@@ -1,0 +1,130 @@
+"""The Streamlit app driven by streamlit.testing: inputs change, headline metrics follow the core."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from collector.store import connect, create_schema
+from roi import Assumptions, Basis, calculate
+from roi.app import current_window
+from roi.measured import PROBE_MODEL_CAVEAT
+from roi.settings import DB_URL_ENV, PASSWORD_ENV
+from roi.store import load_results
+from roi.tables import headlines
+
+APP = Path(__file__).resolve().parents[2] / "roi" / "app.py"
+TIMEOUT_S = 90  # the first run imports pandas/altair and reads the store; CI machines are shared
+
+
+def _run(monkeypatch, url: str, password: str | None = None) -> AppTest:
+    monkeypatch.setenv(DB_URL_ENV, url)
+    if password is None:
+        monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PASSWORD_ENV, password)
+    app = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S)
+    app.run()
+    assert not app.exception, app.exception
+    return app
+
+
+def _metrics(app: AppTest) -> dict[str, str]:
+    return {metric.label: metric.value for metric in app.metric}
+
+
+def _expected(url: str, basis: Basis, **changes) -> dict[str, str]:
+    window = current_window(30)
+    _, result = calculate(load_results(url, window), window, Assumptions(**changes))
+    return {h.label: h.value for h in headlines(result, basis)}
+
+
+def _provenance(app: AppTest) -> dict[str, str]:
+    table = app.dataframe[0].value
+    return dict(zip(table["Input"], table["Provenance"]))
+
+
+def test_default_inputs_show_the_cores_headline_and_provenance(monkeypatch, collected_sqlite: str) -> None:
+    app = _run(monkeypatch, collected_sqlite)
+    metrics = _metrics(app)
+    expected = _expected(collected_sqlite, Basis.ALLOCATION)
+    assert {label: metrics[label] for label in expected} == expected
+    assert metrics["Probe requests"] == "12" and metrics["Failed"] == "0"
+    assert metrics["Pruned / dense runs"] == "12 / 0"
+    # The collected store has no dense baseline, so "after" is an estimate and the app says so.
+    assert app.info[0].value.startswith("Estimated: no dense baseline was measured")
+    provenance = _provenance(app)
+    assert provenance["Request volume"] == "assumed-default"
+    assert provenance["GPU time per request after pruning"] == "measured"
+    assert provenance["Prunable share of inference time"] == "assumed-default"
+    assert any(c.value == PROBE_MODEL_CAVEAT for c in app.caption)  # the collector ran the bundled probe model
+    assert len(app.get("download_button")) == 2  # CSV of inputs and results, JSON of assumptions
+
+
+def test_changing_volume_and_basis_updates_the_headline(monkeypatch, collected_sqlite: str) -> None:
+    app = _run(monkeypatch, collected_sqlite)
+    base = _expected(collected_sqlite, Basis.USAGE)
+    app.radio(key="basis").set_value("usage").run()
+    assert _metrics(app)["Savings / month"] == base["Savings / month"]
+    app.number_input(key="requests_per_day").set_value(100_000.0).run()
+    metrics = _metrics(app)
+    doubled = _expected(collected_sqlite, Basis.USAGE, requests_per_day=100_000.0)
+    assert {label: metrics[label] for label in doubled} == doubled
+    assert metrics["Savings / month"] != base["Savings / month"]
+    assert _provenance(app)["Request volume"] == "user-entered"
+    # Usage cost is linear in volume: twice the requests, twice the savings (to the cent of the rounding).
+    window = current_window(30)
+    results = load_results(collected_sqlite, window)
+    one = calculate(results, window, Assumptions())[1].usage.savings_per_day
+    two = calculate(results, window, Assumptions(requests_per_day=100_000.0))[1].usage.savings_per_day
+    assert two == pytest.approx(2 * one)
+
+
+def test_overriding_dense_time_is_user_entered(monkeypatch, collected_sqlite: str) -> None:
+    app = _run(monkeypatch, collected_sqlite)
+    app.number_input(key="dense_inference_s").set_value(2.0).run()
+    metrics = _metrics(app)
+    expected = _expected(collected_sqlite, Basis.ALLOCATION, dense_inference_s=2.0)
+    assert metrics["Cost before / month"] == expected["Cost before / month"]
+    assert _provenance(app)["GPU time per request before pruning"] == "user-entered"
+    caption = next(c.value for c in app.caption if c.value.startswith("GPU time per request:"))
+    assert "before 2.000 s (user-entered)" in caption and caption.endswith("(estimated).")
+
+
+def test_zero_traffic_shows_a_message_instead_of_numbers(monkeypatch, collected_sqlite: str) -> None:
+    app = _run(monkeypatch, collected_sqlite)
+    app.number_input(key="requests_per_day").set_value(0.0).run()
+    assert not app.exception
+    assert "request volume is 0 per day" in app.warning[0].value
+    assert "Savings / month" not in _metrics(app)
+    assert _metrics(app)["Probe requests"] == "12"  # the measurements are still shown
+
+
+def test_empty_store_says_no_measurements_yet(monkeypatch, tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    engine = connect(url)
+    create_schema(engine)
+    engine.dispose()
+    app = _run(monkeypatch, url)
+    assert app.warning[0].value.startswith("no measurements yet: no successful probe of a pruned configuration")
+    assert "Savings / month" not in _metrics(app)
+
+
+def test_missing_store_is_an_error_message(monkeypatch, tmp_path) -> None:
+    app = _run(monkeypatch, f"sqlite:///{tmp_path / 'absent.db'}")
+    assert app.error[0].value.startswith("no result store at")
+    assert not (tmp_path / "absent.db").exists()
+
+
+def test_password_from_env_guards_every_number(monkeypatch, collected_sqlite: str) -> None:
+    app = _run(monkeypatch, collected_sqlite, password="s3cret")
+    assert _metrics(app) == {}
+    app.text_input(key="roi_password").input("wrong")
+    app.button[0].click().run()
+    assert app.error[0].value == "Wrong password."
+    assert _metrics(app) == {}
+    app.text_input(key="roi_password").input("s3cret")
+    app.button[0].click().run()
+    assert _metrics(app)["Savings / month"] == _expected(collected_sqlite, Basis.ALLOCATION)["Savings / month"]
