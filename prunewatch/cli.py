@@ -128,6 +128,35 @@ def calibrate_command(
     typer.echo(f"wrote {json_path} and {png_path} (model fingerprint {calibration.model_fingerprint[:12]})")
 
 
+@app.command("serve")
+def serve_command(
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind."),
+    port: int = typer.Option(8000, help="Port to bind."),
+    sensitivity: float = typer.Option(0.5, help="Default pruning sensitivity in [0, 1] (X-Pruning-Sensitivity overrides)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    queue_depth: int = typer.Option(None, help="Requests waiting + running before 429 (default 64)."),
+    workers: int = typer.Option(None, help="Requests generated at once."),
+    probes: Path = typer.Option(None, help="Probes YAML used to calibrate (default: canonical)."),
+) -> None:
+    """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
+    from pydantic import ValidationError
+
+    from engine.errors import EngineError
+    from engine.server import serve
+    from probes import ProbeFileError
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
+    try:
+        serve(model, host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
+              workers=workers, probes_path=probes)
+    except ValidationError as exc:
+        raise fail(first_validation_error(exc))
+    except (EngineError, ProbeFileError) as exc:
+        raise fail(str(exc))
+
+
 def _mount_groups() -> None:
     """Command groups whose parts own their command functions."""
     from alerts import cli as alerts_cli

@@ -1,0 +1,122 @@
+"""Pure ASGI middleware: request metrics (outermost), API-key auth, request body size limit.
+
+Pure ASGI rather than `BaseHTTPMiddleware` so streamed responses pass through untouched and auth
+runs before the body is read or parsed: an unauthenticated client learns nothing about validation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.datastructures import Headers
+
+from engine.server.auth import ApiKeyAuth
+from engine.server.errors import AUTHENTICATION, APIError
+from engine.server.metrics import ServerMetrics
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+# The API description holds no data and the docs page fetches it without credentials.
+DOCS_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+KNOWN_ENDPOINTS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/batch", "/v1/models", HEALTH_PATH, METRICS_PATH,
+}) | DOCS_PATHS
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded label set: unknown paths (scanners, fuzzers) all count as 'other'."""
+    if path in KNOWN_ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP answer by endpoint and status, and times it to its last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # an exception before the response started is a server error
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.record_request(endpoint_label(scope["path"]), status, time.perf_counter() - started)
+
+
+class AuthMiddleware:
+    """401 unless `Authorization: Bearer <configured key>`; health and the API docs are exempt."""
+
+    def __init__(self, app: ASGIApp, auth: ApiKeyAuth, public_metrics: bool = False) -> None:
+        self.app = app
+        self.auth = auth
+        self.public = {HEALTH_PATH} | DOCS_PATHS | ({METRICS_PATH} if public_metrics else set())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.public or not self.auth.enabled:
+            await self.app(scope, receive, send)
+            return
+        authorization = Headers(scope=scope).get("authorization")
+        if self.auth.is_authorized(authorization):
+            await self.app(scope, receive, send)
+            return
+        message = ("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+                   if not authorization else "Incorrect API key provided.")
+        error = APIError(401, message, type_=AUTHENTICATION, code="invalid_api_key",
+                         headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `max_bytes`: at once from Content-Length, else while it streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"The request body is larger than this server's limit of {self.max_bytes} bytes.",
+                        code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isascii() and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()  # raised inside the route's body read: rendered by the handler
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -1,0 +1,255 @@
+"""Unit tests of the HTTP API's parts that need no model: settings, auth, headers, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from engine.server.admission import AdmissionQueue, QueueFullError
+from engine.server.auth import ApiKeyAuth, bearer_token, read_keys_file
+from engine.server.errors import APIError
+from engine.server.middleware import endpoint_label
+from engine.server.pruning_headers import parse_blacklist, parse_log_level, parse_sensitivity, stats_header
+from engine.server.settings import ServerSettings
+from engine.settings import LogLevel
+from engine.stats import RequestStats
+
+# -- settings -----------------------------------------------------------------------------------
+
+
+def test_settings_defaults_and_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PRUNEWATCH_API_KEYS", raising=False)
+    settings = ServerSettings()
+    assert (settings.host, settings.port, settings.queue_depth, settings.workers) == ("127.0.0.1", 8000, 64, 1)
+    assert settings.api_keys == ()
+    with pytest.raises(ValidationError, match="queue_depth"):
+        ServerSettings(queue_depth=0)
+    with pytest.raises(ValidationError, match="default_max_tokens \\(32\\) exceeds max_tokens_limit \\(16\\)"):
+        ServerSettings(default_max_tokens=32, max_tokens_limit=16)
+
+
+def test_settings_read_keys_from_environment_and_mask_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRUNEWATCH_API_KEYS", "alpha-secret, beta-secret,,")
+    monkeypatch.setenv("API_KEYS", "not-ours")  # a generic variable must not be picked up
+    monkeypatch.setenv("PRUNEWATCH_SERVER_QUEUE_DEPTH", "5")
+    settings = ServerSettings()
+    assert [k.get_secret_value() for k in settings.api_keys] == ["alpha-secret", "beta-secret"]
+    assert settings.queue_depth == 5
+    shown = repr(settings) + str(settings) + settings.model_dump_json()
+    assert "alpha-secret" not in shown and "beta-secret" not in shown
+
+
+def test_settings_reject_a_missing_keys_file(tmp_path) -> None:
+    with pytest.raises(ValidationError, match="API keys file not found"):
+        ServerSettings(keys_file=tmp_path / "absent.txt")
+
+
+# -- auth ---------------------------------------------------------------------------------------
+
+
+def test_keys_file_and_env_keys_are_merged_and_only_hashes_are_kept(tmp_path) -> None:
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("# team keys\nfile-key-1\n\n  file-key-2  # rotated 2024\n")
+    assert read_keys_file(keys_file) == ["file-key-1", "file-key-2"]
+    auth = ApiKeyAuth.from_settings(ServerSettings(api_keys=["env-key"], keys_file=keys_file))
+    assert auth.key_count == 3 and repr(auth) == "ApiKeyAuth(keys=3)"
+    assert auth._digests == tuple(sorted(hashlib.sha256(k.encode()).digest()
+                                         for k in ("env-key", "file-key-1", "file-key-2")))
+    for key in ("env-key", "file-key-1", "file-key-2"):
+        assert auth.is_authorized(f"Bearer {key}")
+    assert not auth.is_authorized("Bearer file-key-3")
+    assert not auth.is_authorized("Basic env-key")
+    assert not auth.is_authorized(None)
+
+
+def test_bearer_token_parsing() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer   abc ") == "abc"
+    assert bearer_token("Bearer") is None
+    assert bearer_token("Token abc") is None
+    assert bearer_token("") is None
+
+
+def test_auth_is_off_without_keys() -> None:
+    auth = ApiKeyAuth([])
+    assert not auth.enabled and auth.is_authorized(None)
+
+
+# -- pruning headers ----------------------------------------------------------------------------
+
+
+def test_sensitivity_header() -> None:
+    assert parse_sensitivity(None) is None
+    assert parse_sensitivity(" 0 ") == 0.0 and parse_sensitivity("1") == 1.0 and parse_sensitivity("0.25") == 0.25
+    for bad, message in [("1.5", "X-Pruning-Sensitivity: must be within [0, 1], got 1.5"),
+                         ("nan", "X-Pruning-Sensitivity: must be within [0, 1], got nan"),
+                         ("-0.1", "X-Pruning-Sensitivity: must be within [0, 1], got -0.1"),
+                         ("half", "X-Pruning-Sensitivity: expected a number within [0, 1], got 'half'")]:
+        with pytest.raises(APIError) as caught:
+            parse_sensitivity(bad)
+        assert caught.value.status_code == 400
+        assert caught.value.body() == {"error": {"message": message, "type": "invalid_request_error",
+                                                 "param": "X-Pruning-Sensitivity", "code": "invalid_header"}}
+
+
+def test_blacklist_header() -> None:
+    assert parse_blacklist(None, 12) is None
+    assert parse_blacklist("", 12) == ()
+    assert parse_blacklist("5, 1,5,", 12) == (1, 5)
+    with pytest.raises(APIError, match=r"layer\(s\) \[12, 40\] out of range; the model has layers 0..11"):
+        parse_blacklist("40,12,3", 12)
+    for bad in ("-1", "1.5", "a", "١"):  # the last is an Arabic-Indic digit: not an ASCII layer index
+        with pytest.raises(APIError, match="expected comma-separated layer indices"):
+            parse_blacklist(bad, 12)
+
+
+def test_log_level_header() -> None:
+    assert parse_log_level("detailed") == LogLevel.DETAILED
+    assert parse_log_level(None) is None
+    with pytest.raises(APIError, match="expected one of NONE, SUMMARY, DETAILED, got 'LOUD'"):
+        parse_log_level("LOUD")
+
+
+def test_stats_header_format() -> None:
+    stats = RequestStats(
+        request_id="r", model="m", device="cpu", dtype="float32", prompt_tokens=140, completion_tokens=16,
+        preprocessing_ms=1.0, inference_ms=2.0, postprocessing_ms=0.5, ttft_ms=1.5, decode_tokens_per_s=1.0,
+        tokens_per_s=1.0, sensitivity=0.5, pruning_ratio=0.3, executed_flops=7, dense_flops=10,
+        layers_bypassed=[2, 5, 7], heads_gated=12, activation_sparsity=0.41,
+    )
+    assert stats_header(stats) == "layers_bypassed=3,heads_gated=12,sparsity=0.41,total_tokens=156"
+
+
+def test_endpoint_label_is_bounded() -> None:
+    assert endpoint_label("/v1/chat/completions") == "/v1/chat/completions"
+    assert endpoint_label("/v1/models/probe-llama") == "/v1/models/{model}"
+    assert endpoint_label("/wp-admin.php") == "other"
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def test_admission_is_bounded_all_or_nothing_and_released() -> None:
+    seen: list[int] = []
+    queue = AdmissionQueue(depth=3, workers=1, on_change=seen.append)
+    try:
+        first = queue.admit(2)
+        with pytest.raises(QueueFullError) as caught:
+            queue.admit(2)  # only one slot left: none are taken
+        assert caught.value.retry_after_s == 1  # nothing finished yet: no service-time estimate
+        assert str(caught.value) == ("The server's request queue is full (3 requests waiting or running); "
+                                     "retry after 1 s.")
+        assert queue.in_flight == 2
+        last = queue.admit(1)
+        for slot in first + last + first:  # releasing twice is harmless
+            slot.release()
+        assert queue.in_flight == 0
+        assert seen == [2, 3, 2, 1, 0]
+    finally:
+        queue.close()
+
+
+def test_retry_after_follows_the_service_time() -> None:
+    queue = AdmissionQueue(depth=4, workers=2)
+    try:
+        queue._observe_service(3.0)
+        queue.admit(4)
+        assert queue.retry_after_s() == 6  # 3 s each, 4 admitted, 2 at a time
+    finally:
+        queue.close()
+
+
+_REQUEST = contextvars.ContextVar("request", default=None)
+
+
+def test_jobs_run_in_isolated_contexts_and_release_their_slots() -> None:
+    """Two interleaved jobs each set a ContextVar (as the engine does) and never see the other's."""
+    queue = AdmissionQueue(depth=2, workers=2)
+    both_started = threading.Barrier(2, timeout=5)
+
+    def job(name: str):
+        def run():
+            token = _REQUEST.set(name)
+            both_started.wait()
+            try:
+                for step in range(5):
+                    time.sleep(0.005)
+                    yield (name, step, _REQUEST.get())
+            finally:
+                _REQUEST.reset(token)
+        return run
+
+    async def main() -> list[list[tuple[str, int, str]]]:
+        slots = queue.admit(2)
+        jobs = [queue.start(slot, job(name)) for slot, name in zip(slots, ("a", "b"))]
+
+        async def collect(j):
+            return [item async for item in j.items()]
+
+        out = await asyncio.gather(*(collect(j) for j in jobs))
+        for j in jobs:
+            await asyncio.wrap_future(j.future)
+        return out
+
+    try:
+        a, b = asyncio.run(main())
+        assert a == [("a", i, "a") for i in range(5)]
+        assert b == [("b", i, "b") for i in range(5)]
+        assert queue.in_flight == 0
+        assert _REQUEST.get() is None
+    finally:
+        queue.close()
+
+
+def test_a_failing_job_raises_in_the_reader_and_frees_its_slot() -> None:
+    queue = AdmissionQueue(depth=1)
+
+    def broken():
+        yield 1
+        raise ValueError("boom")
+
+    async def main() -> list[int]:
+        job = queue.start(queue.admit()[0], broken)
+        got = []
+        with pytest.raises(ValueError, match="boom"):
+            async for item in job.items():
+                got.append(item)
+        await asyncio.wrap_future(job.future)
+        return got
+
+    try:
+        assert asyncio.run(main()) == [1]
+        assert queue.in_flight == 0
+    finally:
+        queue.close()
+
+
+def test_leaving_early_stops_the_worker() -> None:
+    queue = AdmissionQueue(depth=1)
+    produced: list[int] = []
+
+    def endless():
+        for i in range(10_000):
+            produced.append(i)
+            time.sleep(0.001)
+            yield i
+
+    async def main() -> None:
+        job = queue.start(queue.admit()[0], endless)
+        async for item in job.items():
+            if item == 2:
+                break
+        await asyncio.wrap_future(job.future)
+
+    try:
+        asyncio.run(main())
+        assert len(produced) < 100
+        assert queue.in_flight == 0
+    finally:
+        queue.close()
