@@ -143,6 +143,16 @@ class PruningEngine:
             raise InvalidRequestError("the prompt is empty after tokenization")
         return list(ids)
 
+    def render_raw(self, prompt: str) -> list[int]:
+        """Token ids of a plain-text completion prompt, without the chat template."""
+        try:
+            ids = self.loaded.tokenizer(prompt).input_ids
+        except (TypeError, ValueError, UnicodeError) as exc:
+            raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        return list(ids)
+
     def plan(self, prompt_ids: list[int], sensitivity: float, blacklist: list[int],
              prompt_text: str | None = None) -> tuple[BypassPlan | None, str | None]:
         """The request's bypass plan, or (None, fallback reason) when it must run dense."""
@@ -217,8 +227,14 @@ class PruningEngine:
         quality: bool = False,
         use_cache: bool = True,
         request_id: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> Iterator[TokenDelta | GenerationResult]:
-        """Yield TokenDelta pieces as tokens are produced, then the GenerationResult."""
+        """Yield TokenDelta pieces as tokens are produced, then the GenerationResult.
+
+        `prompt_ids`, when given, are the already rendered prompt (a caller that tokenized it to
+        check limits, or a raw completion prompt from `render_raw`); `prompt`/`messages` then only
+        feed the anomaly checks.
+        """
         started = time.perf_counter()
         sensitivity = self.settings.sensitivity if sensitivity is None else float(sensitivity)
         blacklist = sorted(set(self.settings.layer_blacklist if layer_blacklist is None else layer_blacklist))
@@ -227,7 +243,9 @@ class PruningEngine:
         if max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         request_id = request_id or uuid.uuid4().hex
-        prompt_ids = self.render_prompt(prompt, system, messages)
+        prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
         user_text = prompt if messages is None else "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
         bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=user_text)
         plan = bypass_plan.plan if bypass_plan else ExecutionPlan()

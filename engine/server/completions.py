@@ -48,6 +48,7 @@ class GenerationSpec:
     request_id: str
     prompt: str | None
     messages: tuple[dict[str, str], ...] | None
+    prompt_ids: tuple[int, ...]  # rendered once, when the size limits were checked
     prompt_tokens: int
     max_new_tokens: int
     pruning: PruningRequest
@@ -76,6 +77,9 @@ def prunewatch_block(stats: RequestStats, queue_ms: float) -> dict[str, Any]:
         domain=stats.domain,
         domain_confidence=stats.domain_confidence,
         fallback_reason=stats.fallback_reason,
+        effective_sensitivity=stats.effective_sensitivity,
+        signals=stats.signals,
+        quality_flags=list(stats.quality_flags),
         preprocessing_ms=stats.preprocessing_ms,
         inference_ms=stats.inference_ms,
         postprocessing_ms=stats.postprocessing_ms,
@@ -157,8 +161,10 @@ class CompletionService:
         else:
             kind, prompt, messages, what = "completion", body.prompt, None, "prompt"
         try:
-            ids = await asyncio.to_thread(self.engine.render_prompt, prompt, None,
-                                          list(messages) if messages is not None else None)
+            if kind == "completion":  # a text completion continues the prompt as given, no chat template
+                ids = await asyncio.to_thread(self.engine.render_raw, prompt)
+            else:
+                ids = await asyncio.to_thread(self.engine.render_prompt, None, None, list(messages))
         except InvalidRequestError as exc:
             raise invalid_request(exc, param=f"{param_prefix}{what}") from None
         except TemplateError as exc:  # e.g. a template that requires alternating user/assistant turns
@@ -173,7 +179,7 @@ class CompletionService:
                                 f"{len(ids)} plus {max_new} completion tokens do not fit.",
                            param=f"{param_prefix}{what}", code="context_length_exceeded")
         return GenerationSpec(kind=kind, request_id=uuid.uuid4().hex, prompt=prompt, messages=messages,
-                              prompt_tokens=len(ids), max_new_tokens=max_new, pruning=pruning,
+                              prompt_ids=tuple(ids), prompt_tokens=len(ids), max_new_tokens=max_new, pruning=pruning,
                               stream=bool(body.stream))
 
     # -- admission and running ---------------------------------------------------------------
@@ -197,6 +203,7 @@ class CompletionService:
                 else None,
                 log_level=spec.pruning.log_level,
                 request_id=spec.request_id,
+                prompt_ids=list(spec.prompt_ids),
             )
 
         return self.queue.start(slot, run)

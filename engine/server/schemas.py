@@ -9,7 +9,7 @@ sequences) are rejected explicitly rather than silently ignored. Decoding is gre
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Any, Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -154,6 +154,9 @@ class PrunewatchStats(BaseModel):
     domain: str | None = Field(description="Calibrated domain the prompt matched; null when it ran dense.")
     domain_confidence: float
     fallback_reason: str | None = Field(description="Why it ran dense although sensitivity > 0 (e.g. uncalibrated).")
+    effective_sensitivity: float = Field(description="Sensitivity after the adaptive-threshold signals (configured weights).")
+    signals: dict[str, Any] | None = Field(description="Each adaptive-threshold signal's value and factor.")
+    quality_flags: list[str] = Field(description="ratio_above_red_line / agreement_below_floor when crossed.")
     preprocessing_ms: float
     inference_ms: float
     postprocessing_ms: float

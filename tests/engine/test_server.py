@@ -139,7 +139,7 @@ def test_sdk_sensitivity_zero_header_gives_the_dense_output(sdk: openai.OpenAI, 
 def test_sdk_completion(sdk: openai.OpenAI, engine: PruningEngine) -> None:
     raw = sdk.completions.with_raw_response.create(model=engine.name, prompt=PROMPT, max_tokens=MAX_TOKENS)
     completion = raw.parse()
-    direct = engine.generate(PROMPT, max_new_tokens=MAX_TOKENS)
+    direct = engine.generate(PROMPT, prompt_ids=engine.render_raw(PROMPT), max_new_tokens=MAX_TOKENS)
     assert completion.object == "text_completion"
     assert completion.choices[0].text == direct.text
     assert completion.usage.completion_tokens == direct.stats.completion_tokens
@@ -166,7 +166,8 @@ def test_sdk_completion_stream_with_overrides(sdk: openai.OpenAI, engine: Prunin
     headers = {"X-Pruning-Sensitivity": "1", "X-Pruning-Blacklist": "1,2", "X-Pruning-Log-Level": "detailed"}
     chunks = list(sdk.completions.create(model=engine.name, prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
                                          extra_headers=headers))
-    direct = engine.generate(PROMPT, max_new_tokens=MAX_TOKENS, sensitivity=1.0, layer_blacklist=[1, 2])
+    direct = engine.generate(PROMPT, prompt_ids=engine.render_raw(PROMPT), max_new_tokens=MAX_TOKENS, sensitivity=1.0,
+                             layer_blacklist=[1, 2])
     assert "".join(c.choices[0].text for c in chunks) == direct.text
     stats = chunks[-1].model_extra["prunewatch"]
     assert_same_stats(stats, direct)
@@ -257,7 +258,7 @@ def test_400_for_bad_pruning_headers_and_parameters(http: httpx.Client, engine: 
 
 def test_413_for_a_long_prompt_and_a_large_body(http: httpx.Client, engine: PruningEngine) -> None:
     prompt = "route " * 300
-    tokens = len(engine.render_prompt(prompt))
+    tokens = len(engine.render_raw(prompt))
     assert tokens > 200
     response = http.post("/v1/completions", json={"model": engine.name, "prompt": prompt, "max_tokens": 2},
                          headers=AUTH)
@@ -438,7 +439,7 @@ def test_batch_prunes_each_item_independently(http: httpx.Client, engine: Prunin
     assert [(r["index"], r["custom_id"], r["status_code"]) for r in data] == [
         (0, "a", 200), (1, "b", 200), (2, "c", 400), (3, "d", 404)]
     pruned = engine.generate(messages=CHAT, max_new_tokens=MAX_TOKENS, sensitivity=1.0)
-    dense = engine.generate(PROMPT, max_new_tokens=MAX_TOKENS, sensitivity=0.0)
+    dense = engine.generate(PROMPT, prompt_ids=engine.render_raw(PROMPT), max_new_tokens=MAX_TOKENS, sensitivity=0.0)
     assert data[0]["response"]["choices"][0]["message"]["content"] == pruned.text
     assert_same_stats(data[0]["response"]["prunewatch"], pruned)
     assert data[1]["response"]["choices"][0]["text"] == dense.text
