@@ -12,6 +12,8 @@ for another model.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,7 +59,7 @@ class Calibration:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers never collide
         tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
         tmp.replace(path)  # atomic: a crash never leaves half a calibration
 

@@ -163,6 +163,13 @@ def _mount_groups() -> None:
     from dashboards import cli as dashboards_cli
     from roi import cli as roi_cli
 
+    from prunewatch.stack import cli as stack_cli
+
+    stack_app = typer.Typer(help="The whole stack as local processes on 127.0.0.1 (no Docker).", no_args_is_help=True)
+    stack_app.command("up")(stack_cli.stack_up_command)
+    stack_app.command("down")(stack_cli.stack_down_command)
+    app.add_typer(stack_app, name="stack")
+
     app.command("roi")(roi_cli.roi_command)
     app.command("report")(roi_cli.report_command)
 

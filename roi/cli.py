@@ -18,7 +18,7 @@ APP_PATH = Path(__file__).resolve().parent / "app.py"
 
 
 def roi_command(
-    db: str = typer.Option("sqlite:///prunewatch.db", help="SQLAlchemy URL of the result store."),
+    db: str = typer.Option("sqlite:///prunewatch.db", envvar="PRUNEWATCH_ROI_DB_URL", help="SQLAlchemy URL of the result store (or PRUNEWATCH_ROI_DB_URL, which keeps a password off the command line)."),
     host: str = typer.Option("127.0.0.1", help="Address the app listens on."),
     port: int = typer.Option(8501, min=1, max=65535, help="Port the app listens on."),
     days: int = typer.Option(30, help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days)."),
