@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from engine.errors import UnsupportedArchitectureError
+from engine.errors import InvalidRequestError, UnsupportedArchitectureError
 
 _BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers")
 
@@ -34,6 +34,33 @@ class ExecutionPlan:
     """What a request skips, fixed before its prefill so the KV cache stays consistent."""
 
     bypass: frozenset[int] = frozenset()  # decoder block indices returned as identity
+    # Activation sparsity (engine.sparse): target share of each wrapped linear layer's input entries
+    # zeroed per token row; 0 runs those layers dense. Only acts where engine.sparse is installed.
+    activation_sparsity: float = 0.0
+    # Per-layer targets overriding activation_sparsity when non-empty (one per decoder block), so a
+    # plan can protect transition or blacklisted layers with 0.0.
+    layer_sparsity: tuple[float, ...] = ()
+    # "row": per-row calibrated thresholds; a batch reads the union of its rows' active channels.
+    # "shared": at decode steps the batch shares the top-(1 - s) channels of its summed scores.
+    sparsity_policy: str = "row"
+
+    def __post_init__(self) -> None:
+        targets = (self.activation_sparsity, *self.layer_sparsity)
+        if any(not 0.0 <= float(t) < 1.0 for t in targets):
+            raise InvalidRequestError(f"activation sparsity targets must be in [0, 1), got {targets}")
+        if self.sparsity_policy not in ("row", "shared"):
+            raise InvalidRequestError(f"sparsity_policy must be 'row' or 'shared', got {self.sparsity_policy!r}")
+
+    @property
+    def skips_work(self) -> bool:
+        """Whether this plan can differ from the dense model (a bypass, or any sparsity target)."""
+        return bool(self.bypass) or self.activation_sparsity > 0 or any(t > 0 for t in self.layer_sparsity)
+
+    def sparsity_for(self, layer: int) -> float:
+        """The activation sparsity target of one decoder block under this plan."""
+        if self.layer_sparsity:
+            return float(self.layer_sparsity[layer]) if layer < len(self.layer_sparsity) else 0.0
+        return float(self.activation_sparsity)
 
 
 @dataclass
@@ -46,12 +73,31 @@ class ExecutionLedger:
     kv_bytes_read: int = 0  # KV cache bytes the executed attention layers read (model-level count)
     block_calls: dict[int, int] = field(default_factory=dict)  # block -> times it executed
     block_bypasses: dict[int, int] = field(default_factory=dict)  # block -> times it was skipped
+    # Linear layers wrapped for activation sparsity (engine.sparse), counted while a plan asked for it:
+    sparse_dense_flops: int = 0  # what those calls would have cost dense
+    sparse_executed_flops: int = 0  # what they executed (kernel: 2 x active inputs x out x rows)
+    sparse_input_entries: int = 0  # (row, input channel) entries they received
+    sparse_kept_entries: int = 0  # ... of which survived the thresholds
 
     @property
     def pruning_ratio(self) -> float:
         if self.dense_flops <= 0:
             return 0.0
         return max(0.0, 1.0 - self.executed_flops / self.dense_flops)
+
+    @property
+    def activation_sparsity(self) -> float:
+        """Share of the sparsity-wrapped linears' work skipped (union over a batch's rows)."""
+        if self.sparse_dense_flops <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.sparse_executed_flops / self.sparse_dense_flops)
+
+    @property
+    def input_sparsity(self) -> float:
+        """Share of input entries zeroed per row, what the thresholds were calibrated to reach."""
+        if self.sparse_input_entries <= 0:
+            return 0.0
+        return 1.0 - self.sparse_kept_entries / self.sparse_input_entries
 
 
 @dataclass
@@ -71,6 +117,24 @@ def executing(plan: ExecutionPlan, ledger: ExecutionLedger) -> Iterator[Executio
         yield ledger
     finally:
         _ACTIVE.reset(token)
+
+
+def current_execution() -> tuple[ExecutionPlan, ExecutionLedger] | None:
+    """The plan and ledger of the forward pass running in this context, if any.
+
+    For modules that wrap a linear layer and compute it themselves (engine.sparse): they read the
+    plan to decide, and must count what they executed with `record_linear_work`.
+    """
+    active = _ACTIVE.get()
+    return None if active is None else (active.plan, active.ledger)
+
+
+def record_linear_work(executed_flops: int, weight_bytes: int) -> None:
+    """Count linear work done outside an nn.Linear forward (so no counting hook fired for it)."""
+    active = _ACTIVE.get()
+    if active is not None:
+        active.ledger.executed_flops += int(executed_flops)
+        active.ledger.weight_bytes_read += int(weight_bytes)
 
 
 def _linear_flops_per_row(module: nn.Module) -> int | None:

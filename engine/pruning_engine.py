@@ -277,7 +277,7 @@ class PruningEngine:
                 yield TokenDelta(text[len(text_so_far):], tokens[-1])
             report = None
             if quality:
-                if plan.bypass:
+                if plan.skips_work:
                     dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), max_new_tokens, True))
                 else:
                     dense = tokens

@@ -35,7 +35,7 @@ def score_against_dense(
     start = len(prompt_ids) - 1  # logits at position t predict token t + 1
     targets = ids[0, len(prompt_ids):]
     dense_logits = _continuation_logits(instrumented, ids, ExecutionPlan())[start:-1]
-    pruned_logits = dense_logits if not plan.bypass else _continuation_logits(instrumented, ids, plan)[start:-1]
+    pruned_logits = dense_logits if not plan.skips_work else _continuation_logits(instrumented, ids, plan)[start:-1]
     agreement = float((pruned_logits.argmax(-1) == targets).float().mean())
     dense_nll = float(torch.nn.functional.cross_entropy(dense_logits, targets))
     pruned_nll = float(torch.nn.functional.cross_entropy(pruned_logits, targets))

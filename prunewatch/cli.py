@@ -157,6 +157,19 @@ def serve_command(
         raise fail(str(exc))
 
 
+bench_app = typer.Typer(help="Benchmarks: dense vs pruned in one run, ratios against the baseline.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("engine", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_engine_command(ctx: typer.Context) -> None:
+    """Decode tokens/s dense vs activation-sparse (batch 1, 4, 8) and probe-model quality vs sparsity."""
+    from bench.engine import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
 def _mount_groups() -> None:
     """Command groups whose parts own their command functions."""
     from alerts import cli as alerts_cli

@@ -1,0 +1,35 @@
+"""Activation sparsity: calibrated input thresholds on the decoder's linear layers, computed by a
+compiled kernel that never reads the weight rows of zeroed inputs, and counted from what ran."""
+
+from engine.sparse.calibration import (
+    LayerThresholds,
+    SparsityCalibration,
+    calibrate_sparsity,
+    calibrate_sparsity_on_texts,
+    layer_key,
+)
+from engine.sparse.install import SparsityInstallation, install_sparsity
+from engine.sparse.kernel import (
+    KernelOutput,
+    SparseKernelUnavailableError,
+    sparse_linear,
+)
+from engine.sparse.module import SparseLinear, SparsityOptions
+from engine.sparse.targets import DEFAULT_PROJECTIONS, find_sparse_targets
+
+__all__ = [
+    "DEFAULT_PROJECTIONS",
+    "KernelOutput",
+    "LayerThresholds",
+    "SparseKernelUnavailableError",
+    "SparseLinear",
+    "SparsityCalibration",
+    "SparsityInstallation",
+    "SparsityOptions",
+    "calibrate_sparsity",
+    "calibrate_sparsity_on_texts",
+    "find_sparse_targets",
+    "install_sparsity",
+    "layer_key",
+    "sparse_linear",
+]

@@ -1,0 +1,222 @@
+// Sparse linear layer for activation sparsity on the CPU: y = x_masked @ W^T + b.
+//
+// The weight is stored transposed and contiguous per input channel, wt = W^T with shape (in, out),
+// so the out weights that multiply input channel i are one contiguous row wt[i, :]. The kernel
+// first decides which input channels are active for the whole call (the union over rows of the
+// entries that pass the threshold, or a top-k channel set shared by the rows), then streams only
+// the rows of wt for those channels. The row of an inactive channel is never touched, so its
+// bytes are never read from memory: that is where the time goes at small batch, where a linear
+// layer is bound by the bandwidth needed to read its weights.
+//
+// Work is split over the active channels (each thread streams whole rows, the longest contiguous
+// runs the prefetcher can follow) into per-thread fp32 accumulators that are summed at the end.
+// Inside a thread, four active rows are combined per pass so each accumulator element is loaded
+// and stored once per four fused multiply-adds, batch rows are taken two at a time so each weight
+// loaded feeds two accumulators, and outputs are tiled so the four weight tiles stay in L1 while
+// they are reused for every row of the batch. Parallel regions are entered only when each thread
+// gets enough work, since a region waits for its slowest thread.
+
+#include <torch/extension.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 4;   // active weight rows combined per pass
+constexpr int64_t kTile = 512;  // output columns per tile: 4 x 512 x 4 B = 8 KiB of weights in L1
+constexpr int64_t kMinWorkPerThread = 1 << 16;  // multiply-adds below which one thread does it all
+
+// The channels a call reads, and the input values it multiplies them by.
+struct Selection {
+  std::vector<int64_t> channels;  // active input channels, ascending (so memory is read in order)
+  std::vector<float> coef;        // (n_active, rows): masked input value of each row per channel
+  int64_t kept_entries = 0;       // non-zero (row, channel) entries after masking
+};
+
+// Row policy (TEAL-style): entry (b, i) is kept when |x[b, i]| * scale[i] > threshold. A channel is
+// active when any row keeps it, so the weights read are the union over rows.
+Selection select_by_threshold(const float* x, int64_t rows, int64_t in, const float* scale,
+                              float threshold) {
+  Selection sel;
+  sel.channels.reserve(in);
+  for (int64_t i = 0; i < in; ++i) {
+    for (int64_t b = 0; b < rows; ++b) {
+      if (std::fabs(x[b * in + i]) * scale[i] > threshold) {
+        sel.channels.push_back(i);
+        break;
+      }
+    }
+  }
+  const int64_t n = static_cast<int64_t>(sel.channels.size());
+  sel.coef.resize(static_cast<size_t>(n * rows));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t i = sel.channels[j];
+    for (int64_t b = 0; b < rows; ++b) {
+      const float v = x[b * in + i];
+      const bool keep = std::fabs(v) * scale[i] > threshold;
+      sel.coef[j * rows + b] = keep ? v : 0.0f;
+      sel.kept_entries += keep ? 1 : 0;
+    }
+  }
+  return sel;
+}
+
+// Shared policy: the rows share the `keep` channels with the largest sum over rows of
+// |x[b, i]| * scale[i]; every row keeps its full value on those channels.
+Selection select_top_k(const float* x, int64_t rows, int64_t in, const float* scale, int64_t keep) {
+  std::vector<float> score(static_cast<size_t>(in), 0.0f);
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t i = 0; i < in; ++i) {
+      score[i] += std::fabs(x[b * in + i]) * scale[i];
+    }
+  }
+  std::vector<int64_t> order(static_cast<size_t>(in));
+  for (int64_t i = 0; i < in; ++i) order[i] = i;
+  keep = std::max<int64_t>(0, std::min(keep, in));
+  // Larger score first; the lower index wins a tie so the selection is deterministic.
+  auto larger = [&](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
+  if (keep < in) {
+    std::nth_element(order.begin(), order.begin() + keep, order.end(), larger);
+  }
+  Selection sel;
+  sel.channels.assign(order.begin(), order.begin() + keep);
+  std::sort(sel.channels.begin(), sel.channels.end());
+  sel.coef.resize(static_cast<size_t>(keep * rows));
+  for (int64_t j = 0; j < keep; ++j) {
+    for (int64_t b = 0; b < rows; ++b) {
+      const float v = x[b * in + sel.channels[j]];
+      sel.coef[j * rows + b] = v;
+      sel.kept_entries += v != 0.0f ? 1 : 0;
+    }
+  }
+  return sel;
+}
+
+template <typename scalar_t>
+void accumulate(const Selection& sel, const scalar_t* wt, int64_t rows, int64_t out, float* acc,
+                int64_t num_threads) {
+  const int64_t n = static_cast<int64_t>(sel.channels.size());
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  // Contiguous ranges of groups per thread; each thread owns one (rows, out) accumulator. A thread
+  // gets at least kMinWorkPerThread weights: waking a thread for less costs more than it saves,
+  // and on a busy host a parallel region waits for its slowest (descheduled) thread.
+  const int64_t min_grain = std::max<int64_t>(1, kMinWorkPerThread / (kGroup * out * std::max<int64_t>(rows, 1)));
+  const int64_t grain = std::max(min_grain, (groups + num_threads - 1) / num_threads);  // <= num_threads chunks
+  auto body = [&](int64_t begin, int64_t end) {
+    const int64_t tid = num_threads == 1 ? 0 : std::min<int64_t>(at::get_thread_num(), num_threads - 1);
+    float* a = acc + tid * rows * out;
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t j = g * kGroup;
+      const int64_t width = std::min(kGroup, n - j);
+      const float* c = sel.coef.data() + j * rows;
+      if (width == kGroup) {
+        const scalar_t* w0 = wt + sel.channels[j] * out;
+        const scalar_t* w1 = wt + sel.channels[j + 1] * out;
+        const scalar_t* w2 = wt + sel.channels[j + 2] * out;
+        const scalar_t* w3 = wt + sel.channels[j + 3] * out;
+        for (int64_t o0 = 0; o0 < out; o0 += kTile) {
+          const int64_t o1 = std::min(out, o0 + kTile);
+          int64_t b = 0;
+          // Two rows per pass: each weight loaded from L1 feeds two accumulators.
+          for (; b + 1 < rows; b += 2) {
+            const float p0 = c[b], p1 = c[rows + b], p2 = c[2 * rows + b], p3 = c[3 * rows + b];
+            const float q0 = c[b + 1], q1 = c[rows + b + 1], q2 = c[2 * rows + b + 1], q3 = c[3 * rows + b + 1];
+            float* __restrict__ ap = a + b * out;
+            float* __restrict__ aq = a + (b + 1) * out;
+#pragma GCC ivdep
+            for (int64_t o = o0; o < o1; ++o) {
+              const float v0 = static_cast<float>(w0[o]), v1 = static_cast<float>(w1[o]);
+              const float v2 = static_cast<float>(w2[o]), v3 = static_cast<float>(w3[o]);
+              ap[o] += p0 * v0 + p1 * v1 + p2 * v2 + p3 * v3;
+              aq[o] += q0 * v0 + q1 * v1 + q2 * v2 + q3 * v3;
+            }
+          }
+          for (; b < rows; ++b) {
+            const float c0 = c[b], c1 = c[rows + b], c2 = c[2 * rows + b], c3 = c[3 * rows + b];
+            if (c0 == 0.0f && c1 == 0.0f && c2 == 0.0f && c3 == 0.0f) continue;
+            float* __restrict__ ab = a + b * out;
+#pragma GCC ivdep
+            for (int64_t o = o0; o < o1; ++o) {
+              ab[o] += c0 * static_cast<float>(w0[o]) + c1 * static_cast<float>(w1[o]) +
+                       c2 * static_cast<float>(w2[o]) + c3 * static_cast<float>(w3[o]);
+            }
+          }
+        }
+      } else {
+        for (int64_t k = 0; k < width; ++k) {
+          const scalar_t* w = wt + sel.channels[j + k] * out;
+          for (int64_t b = 0; b < rows; ++b) {
+            const float ck = c[k * rows + b];
+            if (ck == 0.0f) continue;
+            float* __restrict__ ab = a + b * out;
+#pragma GCC ivdep
+            for (int64_t o = 0; o < out; ++o) {
+              ab[o] += ck * static_cast<float>(w[o]);
+            }
+          }
+        }
+      }
+    }
+  };
+  if (num_threads == 1 || groups <= grain) {
+    body(0, groups);  // no parallel region: nothing to wait for on a busy host
+  } else {
+    at::parallel_for(0, groups, grain, body);
+  }
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias,
+                  const at::Tensor& scale) {
+  TORCH_CHECK(x.device().is_cpu() && wt.device().is_cpu(), "sparse_linear: CPU tensors expected");
+  TORCH_CHECK(x.dim() == 2, "sparse_linear: x must be (rows, in), got ", x.sizes());
+  TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous(), "sparse_linear: wt must be a contiguous (in, out) tensor");
+  TORCH_CHECK(x.size(1) == wt.size(0), "sparse_linear: x has ", x.size(1), " input channels, wt has ", wt.size(0));
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == wt.size(0) && scale.scalar_type() == at::kFloat,
+              "sparse_linear: scale must be a float32 vector of length in");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == wt.size(1), "sparse_linear: bias must have length out");
+  }
+}
+
+// Returns (y (rows, out) in x's dtype, active channels read, kept (row, channel) entries).
+// keep < 0: row policy with `threshold`; keep >= 0: shared policy keeping `keep` channels.
+// threads <= 0: torch's intra-op thread count; 1: run on the calling thread only.
+std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, const at::Tensor& wt,
+                                                       const c10::optional<at::Tensor>& bias,
+                                                       const at::Tensor& scale, double threshold,
+                                                       int64_t keep, int64_t threads) {
+  check_inputs(x, wt, bias, scale);
+  const int64_t rows = x.size(0), in = wt.size(0), out = wt.size(1);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor sc = scale.contiguous();
+  const Selection sel = keep < 0
+      ? select_by_threshold(xf.data_ptr<float>(), rows, in, sc.data_ptr<float>(), static_cast<float>(threshold))
+      : select_top_k(xf.data_ptr<float>(), rows, in, sc.data_ptr<float>(), keep);
+  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
+  at::Tensor acc = at::zeros({num_threads, rows, out}, xf.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wt.scalar_type(), "sparse_linear", [&] {
+    accumulate<scalar_t>(sel, wt.data_ptr<scalar_t>(), rows, out, acc.data_ptr<float>(), num_threads);
+  });
+  at::Tensor y = num_threads == 1 ? acc[0] : acc.sum(0);
+  if (bias.has_value()) {
+    y.add_(bias->to(at::kFloat));
+  }
+  return std::make_tuple(y.to(x.scalar_type()), static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "prunewatch sparse linear kernel (CPU): reads only the weight rows of active input channels";
+  m.def("sparse_linear", &sparse_linear, "y = masked(x) @ wt + bias, reading only active rows of wt",
+        pybind11::arg("x"), pybind11::arg("wt"), pybind11::arg("bias"), pybind11::arg("scale"),
+        pybind11::arg("threshold"), pybind11::arg("keep"), pybind11::arg("threads"));
+}

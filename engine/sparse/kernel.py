@@ -1,0 +1,116 @@
+"""Build, load and call the compiled sparse linear kernel (a torch C++ extension).
+
+The kernel is compiled once per machine kind (torch version x CPU instruction set) into a cache
+folder, by `python -m engine.sparse.build` at install time or on first use. When it cannot be
+built the engine raises `SparseKernelUnavailableError`: a request that asked for activation
+sparsity is never silently run dense and reported as sparse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine.errors import EngineError
+
+logger = logging.getLogger("prunewatch.engine.sparse")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "sparse_linear.cpp"
+CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
+"""Environment variable naming the folder compiled kernels are cached in."""
+
+_LOCK = threading.Lock()
+_MODULE: ModuleType | None = None
+
+
+class SparseKernelUnavailableError(EngineError):
+    """The compiled sparse kernel cannot be built or loaded here (no compiler, unsupported device)."""
+
+
+@dataclass(frozen=True)
+class KernelOutput:
+    """One kernel call: the output and the work it really did."""
+
+    output: torch.Tensor  # (rows, out) in the input's dtype
+    active_channels: int  # input channels whose weight rows were read (union over rows)
+    kept_entries: int  # (row, channel) input entries that survived the mask
+
+
+def _isa_flags() -> list[str]:
+    """Vector flags for the instruction set torch itself detected; portable code otherwise."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+def cache_dir() -> Path:
+    """Where the kernel is compiled: one folder per torch version, instruction set and source."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "prunewatch" / "extensions")
+    source_digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    tag = f"torch{torch.__version__.replace('+', '-')}-{torch.backends.cpu.get_cpu_capability()}-{source_digest}"
+    return root / "sparse_linear" / tag
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (if needed) and import the kernel; raise SparseKernelUnavailableError on failure."""
+    global _MODULE
+    with _LOCK:
+        if _MODULE is not None:
+            return _MODULE
+        from torch.utils import cpp_extension
+
+        directory = cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        if not cpp_extension.is_ninja_available():
+            raise SparseKernelUnavailableError(
+                "cannot build the sparse kernel: ninja is not installed (pip install ninja)")
+        try:
+            module = cpp_extension.load(
+                name="prunewatch_sparse_linear",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-fopenmp", *_isa_flags()],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=verbose,
+            )
+        except Exception as exc:  # any compiler or loader failure becomes one typed, actionable error
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SparseKernelUnavailableError(
+                f"cannot build the sparse kernel in {directory}: {first}; "
+                "install a C++ compiler (g++) and run `python -m engine.sparse.build`") from exc
+        _MODULE = module
+        logger.debug("sparse kernel loaded from %s", directory)
+        return module
+
+
+def sparse_linear(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor,
+    threshold: float,
+    keep: int = -1,
+    threads: int = 0,
+) -> KernelOutput:
+    """y = masked(x) @ weight_t + bias, reading only the rows of weight_t for active channels.
+
+    x: (rows, in); weight_t: contiguous (in, out), W transposed; scale: float32 (in,) per-channel
+    score factor (ones for magnitude thresholds, column norms of W for WINA). With keep < 0 an
+    entry survives when |x| * scale > threshold (per row; the weights read are the union over
+    rows). With keep >= 0 the rows share the `keep` channels of largest summed score. threads: at
+    most this many of torch's intra-op threads (0: all of them; 1: the calling thread only).
+    """
+    if x.device.type != "cpu":
+        raise SparseKernelUnavailableError(
+            f"the sparse kernel runs on the CPU only; got a tensor on {x.device.type}")
+    module = build()
+    output, active, kept = module.sparse_linear(x, weight_t, bias, scale, float(threshold), int(keep), int(threads))
+    return KernelOutput(output=output, active_channels=int(active), kept_entries=int(kept))

@@ -1,0 +1,155 @@
+"""SparseLinear: a linear layer that zeroes small inputs and skips the weights they would multiply.
+
+It wraps an existing nn.Linear (or GPT-2 Conv1D) without copying any model code. Under an
+execution plan that asks for activation sparsity, a call with few rows (decode steps) goes to the
+compiled kernel, which reads only the weight rows of active input channels and reports how many
+it read; the call counts 2 x active x out x rows FLOPs in the ledger, and the wrapped layer's own
+counting hook does not fire because the layer is not called. A call with many rows (a long
+prefill) is compute-bound, where skipping rows of a weight matrix saves no time: it applies the
+same mask and runs the dense layer, whose hook counts it as dense work. Without a plan, or with a
+target of 0, the dense layer runs untouched and is counted as dense.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from engine.execution import (
+    ExecutionLedger,
+    ExecutionPlan,
+    current_execution,
+    record_linear_work,
+)
+from engine.sparse.calibration import LayerThresholds
+from engine.sparse.kernel import build
+from engine.sparse.targets import DEFAULT_PROJECTIONS, in_out, is_conv1d
+
+
+class SparsityOptions(BaseModel):
+    """How activation sparsity is installed on a model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    projections: tuple[str, ...] = Field(
+        DEFAULT_PROJECTIONS, min_length=1,
+        description="Names of the linear layers inside each decoder block that get sparse inputs.")
+    max_kernel_rows: int = Field(
+        16, ge=1, le=4096,
+        description=(
+            "Calls with more token rows run masked-then-dense and count as dense work: with many "
+            "rows the union of active channels is nearly all of them and a dense GEMM is faster."))
+    kernel_threads: int = Field(
+        0, ge=0, le=1024,
+        description=(
+            "Threads per kernel call; 0 uses torch's intra-op threads. 1 avoids a parallel region "
+            "per call, which pays off on a host whose cores are busy with other work."))
+    share_weight_storage: bool = Field(
+        True,
+        description=(
+            "Keep one copy of each weight: the dense layer reads the kernel's transposed copy "
+            "through a view. False keeps the original layout for the dense path too (2x memory)."))
+
+
+class SparseLinear(nn.Module):
+    """An nn.Linear (or Conv1D) whose inputs are thresholded per request and computed sparsely."""
+
+    def __init__(
+        self,
+        linear: nn.Module,
+        layer: int,
+        name: str,
+        thresholds: LayerThresholds,
+        scale: torch.Tensor,
+        options: SparsityOptions,
+    ) -> None:
+        super().__init__()
+        self.linear = linear
+        self.layer = layer  # decoder block index, for per-layer targets
+        self.name = name  # path inside the block, e.g. "mlp.down_proj"
+        self.thresholds = thresholds
+        self.in_features, self.out_features = in_out(linear)
+        self.max_kernel_rows = options.max_kernel_rows
+        self.kernel_threads = options.kernel_threads
+        self._conv1d = is_conv1d(linear)
+        weight = linear.weight.detach()
+        if self._conv1d:
+            weight_t = weight.contiguous()  # Conv1D stores (in, out) already
+        else:
+            weight_t = weight.t().contiguous()  # (in, out): one contiguous row per input channel
+            if options.share_weight_storage:
+                linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
+        self.register_buffer("weight_t", weight_t, persistent=False)
+        self.register_buffer("scale", scale.to(torch.float32).contiguous(), persistent=False)
+        self._kernel = build().sparse_linear  # resolved once: a decode step makes ~7 calls per block
+        self._thresholds_by_target: dict[float, float] = {}
+
+    def __getattr__(self, name: str):
+        # model code may read attributes such as `weight` or `in_features` off its projections.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("linear"), name)
+
+    def restore(self) -> nn.Module:
+        """The wrapped layer with a contiguous weight of its original layout, for uninstalling."""
+        if not self._conv1d and not self.linear.weight.is_contiguous():
+            self.linear.weight = nn.Parameter(self.linear.weight.detach().contiguous(),
+                                              requires_grad=self.linear.weight.requires_grad)
+        return self.linear
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, name={self.name}, in={self.in_features}, out={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        execution = current_execution()
+        if execution is None:
+            return self.linear(x)
+        plan, ledger = execution
+        target = plan.sparsity_for(self.layer)
+        if target <= 0.0:
+            return self.linear(x)
+        rows = x.numel() // self.in_features
+        dense_flops = 2 * self.in_features * self.out_features * rows
+        ledger.sparse_dense_flops += dense_flops
+        ledger.sparse_input_entries += rows * self.in_features
+        keep = self._shared_keep(plan, x, target)
+        threshold = self._thresholds_by_target.get(target)
+        if threshold is None:
+            threshold = self._thresholds_by_target.setdefault(target, self.thresholds.at(target))
+        if rows > self.max_kernel_rows:
+            return self._masked_dense(x, ledger, threshold, keep, dense_flops)
+        buffers = self._buffers  # direct: attribute lookup through nn.Module costs more than the kernel call
+        weight_t = buffers["weight_t"]
+        output, active, kept = self._kernel(x.reshape(rows, self.in_features), weight_t,
+                                            self._modules["linear"].bias, buffers["scale"], threshold, keep,
+                                            self.kernel_threads)
+        executed = 2 * active * self.out_features * rows
+        record_linear_work(executed, active * self.out_features * weight_t.element_size())
+        ledger.sparse_executed_flops += executed
+        ledger.sparse_kept_entries += kept
+        return output.reshape(*x.shape[:-1], self.out_features)
+
+    def _shared_keep(self, plan: ExecutionPlan, x: torch.Tensor, target: float) -> int:
+        """Channels the rows share under the shared policy at a decode step; -1 for the row policy."""
+        decode_step = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
+        if plan.sparsity_policy != "shared" or not decode_step:
+            return -1
+        return max(1, round((1.0 - target) * self.in_features))
+
+    def _masked_dense(self, x: torch.Tensor, ledger: ExecutionLedger, threshold: float, keep: int,
+                      dense_flops: int) -> torch.Tensor:
+        """Same mask as the kernel, dense matmul: the wrapped layer's hook counts it as dense work."""
+        scale = self.scale.to(x.device)
+        score = x.abs().float() * scale  # (..., in)
+        if keep < 0:
+            mask = score > threshold
+        else:
+            flat = score.reshape(-1, self.in_features).sum(dim=0)  # (in,)
+            mask = torch.zeros(self.in_features, dtype=torch.bool, device=x.device)
+            mask[torch.topk(flat, keep).indices] = True
+            mask = mask.expand_as(score)
+        ledger.sparse_executed_flops += dense_flops
+        ledger.sparse_kept_entries += int((mask & (x != 0)).sum()) if keep >= 0 else int(mask.sum())
+        return self.linear(x * mask)

@@ -1,0 +1,84 @@
+"""Which linear layers of a decoder get activation sparsity, and facts about their weights.
+
+Targets are found by name inside each decoder block: the attention and MLP projections of the
+Llama family (q/k/v/o, gate/up/down, also Qwen2, Mistral, Gemma), Phi-3's fused qkv_proj and
+gate_up_proj, and GPT-2's Conv1D c_attn / c_proj / c_fc. The output head is never a target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.errors import UnsupportedArchitectureError
+from engine.execution import InstrumentedModel
+
+DEFAULT_PROJECTIONS: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",  # Llama family
+    "qkv_proj", "gate_up_proj",  # Phi-3
+    "c_attn", "c_proj", "c_fc",  # GPT-2 (Conv1D)
+)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+
+
+def in_out(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    n_in, n_out = module.weight.shape
+    return int(n_in), int(n_out)
+
+
+def weight_transposed(module: nn.Module) -> torch.Tensor:
+    """W^T as an (in, out) tensor; Conv1D already stores it so, an nn.Linear needs a transpose."""
+    if is_conv1d(module):
+        return module.weight.detach()
+    return module.weight.detach().t()
+
+
+def score_scale(module: nn.Module, score: str) -> torch.Tensor:
+    """Per input channel factor of the score: ones for magnitude, ||W[:, i]||_2 for WINA (float32, CPU)."""
+    n_in, _ = in_out(module)
+    if score == "magnitude":
+        return torch.ones(n_in, dtype=torch.float32)
+    if score == "wina":
+        norms = torch.linalg.vector_norm(weight_transposed(module).float(), dim=1)  # (in,)
+        return norms.cpu().contiguous()
+    raise ValueError(f"score must be 'magnitude' or 'wina', got {score!r}")
+
+
+def _is_target(name: str, module: nn.Module, projections: Sequence[str]) -> bool:
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        return False
+    return any(part in projections for part in name.split("."))
+
+
+def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[str] = DEFAULT_PROJECTIONS,
+                        ) -> dict[str, tuple[int, nn.Module]]:
+    """layer_key -> (block index, linear module) for every target linear of every decoder block.
+
+    When a block already holds a SparseLinear, its inner linear is returned under the same key, so
+    calibration and installation see the same names whether sparsity is installed or not.
+    """
+    from engine.sparse.calibration import layer_key
+    from engine.sparse.module import SparseLinear
+
+    targets: dict[str, tuple[int, nn.Module]] = {}
+    for block in instrumented.blocks:
+        wrapped = {id(m.linear) for m in block.block.modules() if isinstance(m, SparseLinear)}
+        for name, module in block.block.named_modules():
+            if isinstance(module, SparseLinear):
+                targets[layer_key(block.index, name)] = (block.index, module.linear)
+            elif id(module) not in wrapped and _is_target(name, module, projections):
+                targets[layer_key(block.index, name)] = (block.index, module)
+    if not targets:
+        raise UnsupportedArchitectureError(
+            f"no linear layers named {', '.join(projections)} in the decoder blocks of "
+            f"{type(instrumented.model).__name__}; activation sparsity cannot be installed")
+    return targets
