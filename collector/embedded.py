@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import start_http_server
 from rich.console import Console
@@ -18,6 +19,7 @@ from collector.scheduler import ProbeScheduler
 from collector.settings import CollectorSettings
 from collector.store import connect, create_schema
 from collector.targets import InProcessTarget
+from collector.results import utcnow
 from engine import EngineSettings, PruningEngine
 from engine.loading import check_model_dir
 from probes import load_probes
@@ -32,7 +34,23 @@ class RunOutcome:
     failures: int
 
 
-def run_embedded(settings: CollectorSettings, console: Console | None = None) -> RunOutcome:
+def _embedded_alerting(settings: CollectorSettings, db):
+    """The same rules as Prometheus, evaluated over the store; state kept beside a SQLite store."""
+    from sqlalchemy.engine import make_url
+
+    from alerts import AlertingSettings, EmbeddedAlerting
+
+    alert_settings = AlertingSettings()
+    if "state_path" not in alert_settings.model_fields_set:  # default: beside a SQLite store
+        url = make_url(settings.db_url)
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            alert_settings = alert_settings.model_copy(
+                update={"state_path": Path(url.database).with_suffix(".alerts.json")})
+    return EmbeddedAlerting(alert_settings, db)
+
+
+def run_embedded(settings: CollectorSettings, console: Console | None = None,
+                 calibration_dir: Path | None = None) -> RunOutcome:
     """Validate everything, then load, calibrate, schedule and run until done or interrupted.
 
     Order matters for "nothing written on bad input": the model folder, the probes and the
@@ -42,10 +60,11 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None) ->
     check_model_dir(settings.model_dir)
     probe_set = load_probes(settings.probes_path)
     db = connect(settings.db_url)
+    alerting = _embedded_alerting(settings, db) if settings.alerts else None
 
     with console.status("loading model"):
         engine = PruningEngine.load(EngineSettings(model_dir=settings.model_dir, device=settings.device,
-                                                   sensitivity=settings.sensitivity))
+                                                   sensitivity=settings.sensitivity, calibration_dir=calibration_dir))
     texts = probe_set.calibration_texts()
     with console.status("calibrating"):
         calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)
@@ -70,6 +89,8 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None) ->
         totals["results"] += len(summary.results)
         totals["failures"] += summary.failed
         live.update(round_table(summary, totals["rounds"]), refresh=True)
+        if alerting is not None:
+            alerting.after_round(utcnow())  # never raises; transitions and deliveries are logged
 
     scheduler = ProbeScheduler([target], probe_set, [sql, metrics, LogExporter()], interval_s=settings.interval_s,
                                rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round)

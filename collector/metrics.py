@@ -6,7 +6,9 @@ The PromQL constants are the single source of truth: alert rules (alerts/) and d
 
 from __future__ import annotations
 
+import itertools
 import re
+from typing import Callable, Hashable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -14,6 +16,9 @@ from collector.results import ProbeResult
 
 LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
+# Whole probes as the collector sees them: a CPU probe with its quality check takes seconds, a
+# timed-out one up to the target's timeout.
+PROBE_DURATION_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # -- derived figures (PromQL) ---------------------------------------------------------------
 PROMQL_RATIO_AVG_24H = "avg by (model, domain) (avg_over_time(prunewatch_pruning_ratio[24h]))"
@@ -38,6 +43,9 @@ class CollectorMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._versions = itertools.count(1)  # next() is atomic: concurrent records never share a version
+        self._version = 0
+        self._depth: Callable[[], float] | None = None
         r = self.registry
         self.pruning_ratio = Gauge(
             _check_name("prunewatch_pruning_ratio"),
@@ -76,11 +84,68 @@ class CollectorMetrics:
         self.last_success = Gauge(
             _check_name("prunewatch_last_success_timestamp_seconds"),
             "Unix time of the last successful probe per target.", ["model", "target"], registry=r)
+        self.probe_duration = Histogram(
+            _check_name("prunewatch_probe_duration_seconds"),
+            "Wall time of a whole probe as the collector measured it (any target, baselines included).",
+            ["model", "target", "status"], buckets=PROBE_DURATION_BUCKETS, registry=r)
+        self.buffer_depth: Gauge | None = None
+        self.buffer_dropped: Counter | None = None
+        self.store_write_errors: Counter | None = None
+
+    def track_buffer(self, depth: Callable[[], float]) -> None:
+        """Expose the store buffer: its depth (read at scrape time), drops and failed write attempts.
+
+        Registered only by a collector that buffers, so an engine server sharing these families
+        does not show a buffer it does not have.
+        """
+        r = self.registry
+        gauge = Gauge(_check_name("prunewatch_collector_buffer_depth"),
+                      "Records (results and round markers) waiting in the on-disk buffer for the store.", registry=r)
+        gauge.set_function(depth)
+        self._depth = depth
+        self.buffer_depth = gauge
+        self.buffer_dropped = Counter(
+            _check_name("prunewatch_collector_buffer_dropped"),
+            "Results dropped because the on-disk buffer was full (oldest first).", registry=r)
+        self.store_write_errors = Counter(
+            _check_name("prunewatch_collector_store_write_errors"),
+            "Failed attempts to write buffered records to the store (each is retried with backoff).",
+            ["kind"], registry=r)
+
+    def count_store_error(self, kind: str) -> None:
+        if self.store_write_errors is not None:
+            self.store_write_errors.labels(kind).inc()
+            self._changed()
+
+    def count_dropped(self, results: int) -> None:
+        if self.buffer_dropped is not None and results > 0:
+            self.buffer_dropped.inc(results)
+            self._changed()
+
+    def _changed(self) -> None:
+        self._version = next(self._versions)
+
+    def state_key(self) -> Hashable:
+        """Changes whenever an exposed sample may have changed; read it *before* rendering.
+
+        Every sample of this class moves through `record` or the buffer methods, which bump the
+        version after updating; the buffer depth is read live. So a render cached under this key
+        is current as long as the key is (see collector/exposition.py).
+        """
+        return self._version, (self._depth() if self._depth is not None else None)
 
     def record(self, result: ProbeResult) -> None:
         """Exporter entry point: turn one result into samples."""
+        try:
+            self._record(result)
+        finally:
+            self._changed()
+
+    def _record(self, result: ProbeResult) -> None:
         model, domain = result.model, result.domain
         self.probe_results.labels(model, domain, result.status).inc()
+        if result.duration_ms is not None:
+            self.probe_duration.labels(model, result.target, result.status).observe(result.duration_ms / 1000.0)
         if not result.ok:
             self.probe_failures.labels(model, domain, result.failure_reason or "exception").inc()
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -9,9 +10,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from collector.deadline import DeadlineExceeded, call_with_deadline
 from collector.exporters import Exporter
 from collector.results import ProbeResult, utcnow
-from collector.targets import Target
+from collector.targets import Target, TargetError
+from engine import GenerationResult
 from engine.errors import EngineError, InvalidRequestError
 from probes import ProbeSet
 
@@ -20,6 +23,8 @@ logger = logging.getLogger("prunewatch.collector")
 
 def classify_failure(exc: BaseException) -> str:
     """A short, stable reason label for metrics and rows."""
+    if isinstance(exc, TargetError):
+        return exc.reason
     if isinstance(exc, TimeoutError):
         return "timeout"
     if isinstance(exc, InvalidRequestError):
@@ -58,9 +63,33 @@ def _export(exporters: Sequence[Exporter], result: ProbeResult) -> int:
     return errors
 
 
+def _accepts_cancel(target: Target) -> bool:
+    try:
+        return "cancel" in inspect.signature(target.run_probe).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _probe_once(target: Target, probe, timeout_s: float | None):
+    """The target's answer to one probe; with a timeout, the probe runs under a deadline."""
+    if timeout_s is None:
+        return target.run_probe(probe)
+    cooperative = _accepts_cancel(target)
+
+    def call(cancel: threading.Event):
+        return target.run_probe(probe, cancel=cancel) if cooperative else target.run_probe(probe)
+
+    return call_with_deadline(call, timeout_s, label=f"probe {probe.id} on {target.name}")
+
+
 def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter],
-              stop: threading.Event | None = None) -> RoundSummary:
-    """Run every probe once. A failed probe becomes a failure result; `stop` ends between probes."""
+              stop: threading.Event | None = None, *, timeout_s: float | None = None,
+              cancel_grace_s: float = 5.0) -> RoundSummary:
+    """Run every probe once. A failed probe becomes a failure result; `stop` ends between probes.
+
+    With `timeout_s`, a probe that overruns it is cancelled and recorded as a `timeout` failure;
+    an answer that arrives later is dropped, so each probe yields exactly one result.
+    """
     summary = RoundSummary(round_id=uuid.uuid4().hex, target=target.name)
     round_aware = [e for e in exporters if hasattr(e, "start_round")]
     started = utcnow()
@@ -75,12 +104,19 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
         if stop is not None and stop.is_set():
             break
         began = time.perf_counter()
+        abandoned: threading.Thread | None = None
         try:
-            generated = target.run_probe(probe)
-            result = ProbeResult.from_stats(target=target.name, probe=probe, round_id=summary.round_id,
-                                            stats=generated.stats, text=generated.text,
-                                            duration_ms=round((time.perf_counter() - began) * 1000, 3))
+            generated = _probe_once(target, probe, timeout_s)
+            duration_ms = round((time.perf_counter() - began) * 1000, 3)
+            if isinstance(generated, GenerationResult):
+                result = ProbeResult.from_stats(target=target.name, probe=probe, round_id=summary.round_id,
+                                                stats=generated.stats, text=generated.text, duration_ms=duration_ms)
+            else:
+                result = generated.to_result(target=target.name, probe=probe, round_id=summary.round_id,
+                                             duration_ms=duration_ms)
         except Exception as exc:  # a failed probe is data, not a crash
+            if isinstance(exc, DeadlineExceeded):
+                abandoned = exc.worker
             reason = classify_failure(exc)
             logger.warning("probe %s on %s failed (%s): %s", probe.id, target.name, reason, exc)
             result = ProbeResult.failure(target=target.name, model=target.model, probe=probe,
@@ -88,6 +124,8 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
                                          duration_ms=round((time.perf_counter() - began) * 1000, 3))
         summary.results.append(result)
         summary.export_errors += _export(exporters, result)
+        if abandoned is not None:  # let a cancelled probe wind down so the next one does not compete with it
+            abandoned.join(cancel_grace_s)
     for exporter in round_aware:
         try:
             exporter.finish_round(summary.round_id, finished_at=utcnow(), ok=summary.ok, failed=summary.failed)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -69,7 +69,12 @@ class ProbeResult:
         return self.status == "ok"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Field name -> value; lists are copied. Shallow on purpose: dataclasses.asdict deep-copies
+        every value and made serialising the dominant cost of writing results in bulk."""
+        values = {name: getattr(self, name) for name in _FIELD_NAMES}
+        if values["layers_bypassed"] is not None:
+            values["layers_bypassed"] = list(values["layers_bypassed"])
+        return values
 
     @classmethod
     def from_stats(cls, *, target: str, probe: Probe, round_id: str, stats: RequestStats, text: str,
@@ -122,3 +127,6 @@ class ProbeResult:
             probe_hash=probe.content_hash, domain=probe.domain, status="failed", round_id=round_id,
             failure_reason=reason, error_message=message[:2000], duration_ms=duration_ms,
         )
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(ProbeResult))

@@ -2,14 +2,17 @@
 
 One scheduler per process (APScheduler 3.x cannot share a job store between processes). Each
 target has one job with max_instances=1 and coalescing: a slow round delays the next instead of
-stacking, and missed runs collapse into one.
+stacking, and missed runs collapse into one. A misfire grace time lets a round that starts a
+little late still run, and jitter spreads the rounds of many targets so they do not all start in
+the same second.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from datetime import datetime, timezone
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Callable, Sequence
 
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -22,21 +25,42 @@ from probes import ProbeSet
 logger = logging.getLogger("prunewatch.collector")
 
 
+@dataclass(frozen=True)
+class TargetJob:
+    """One target's schedule: which probes, how often, how long a probe may take."""
+
+    target: Target
+    probe_set: ProbeSet
+    interval_s: float
+    timeout_s: float | None = None  # None: no deadline (the embedded default)
+    jitter_s: float = 0.0
+    first_delay_s: float = 0.0  # spread first rounds too when many targets start at once
+
+
 class ProbeScheduler:
     """Runs `run_round` for each target every `interval_s`, first round immediately."""
 
     def __init__(
         self,
         targets: Sequence[Target],
-        probe_set: ProbeSet,
+        probe_set: ProbeSet | None,
         exporters: Sequence[Exporter],
         *,
-        interval_s: float,
+        interval_s: float = 30.0,
         rounds: int | None = None,
         misfire_grace_s: float = 60.0,
         on_round: Callable[[RoundSummary], None] | None = None,
+        jobs: Sequence[TargetJob] | None = None,
     ) -> None:
-        self.targets = list(targets)
+        if jobs is None:
+            if probe_set is None:
+                raise ValueError("a probe set is needed when no jobs are given")
+            jobs = [TargetJob(t, probe_set, interval_s) for t in targets]
+        names = [job.target.name for job in jobs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"target names must be unique, got {names}")
+        self.jobs = list(jobs)
+        self.targets = [job.target for job in self.jobs]
         self.probe_set = probe_set
         self.exporters = list(exporters)
         self.interval_s = interval_s
@@ -45,22 +69,27 @@ class ProbeScheduler:
         self.stop_event = threading.Event()  # set: finish the current probe, then stop
         self.done = threading.Event()
         self.completed_rounds = 0
+        self.rounds_by_target = {name: 0 for name in names}
         self._lock = threading.Lock()
         self._scheduler = BackgroundScheduler(timezone=timezone.utc)
-        for target in self.targets:
+        now = datetime.now(timezone.utc)
+        for job in self.jobs:
             self._scheduler.add_job(
-                self._run, "interval", args=[target], seconds=interval_s, id=f"probe-round:{target.name}",
-                next_run_time=datetime.now(timezone.utc), max_instances=1, coalesce=True,
-                misfire_grace_time=int(misfire_grace_s),
+                self._run, "interval", args=[job], seconds=job.interval_s, jitter=job.jitter_s or None,
+                id=f"probe-round:{job.target.name}", next_run_time=now + timedelta(seconds=job.first_delay_s),
+                max_instances=1, coalesce=True, misfire_grace_time=max(1, int(misfire_grace_s)),
             )
 
-    def _run(self, target: Target) -> None:
-        if self.stop_event.is_set():
-            return
-        summary = run_round(target, self.probe_set, self.exporters, stop=self.stop_event)
+    def _run(self, job: TargetJob) -> None:
+        name = job.target.name
+        with self._lock:
+            if self.stop_event.is_set() or (self.rounds is not None and self.rounds_by_target[name] >= self.rounds):
+                return
+        summary = run_round(job.target, job.probe_set, self.exporters, stop=self.stop_event, timeout_s=job.timeout_s)
         with self._lock:
             self.completed_rounds += 1
-            finished = self.rounds is not None and self.completed_rounds >= self.rounds * len(self.targets)
+            self.rounds_by_target[name] += 1
+            finished = self.rounds is not None and all(n >= self.rounds for n in self.rounds_by_target.values())
         if self.on_round is not None:
             try:
                 self.on_round(summary)

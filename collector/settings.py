@@ -27,6 +27,7 @@ class CollectorSettings(BaseSettings):
     sensitivity: float = Field(0.5, ge=0.0, le=1.0, description="Pruning sensitivity of the probes.")
     probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Canonical probes YAML.")
     target_name: str = Field("embedded", min_length=1, max_length=128, description="Label of the target.")
+    alerts: bool = Field(True, description="Evaluate alerts/rules.yml over the store after each round (no Prometheus).")
     misfire_grace_s: float = Field(
         60.0, ge=1.0, description="A round that starts this late is still run (then coalesced)."
     )

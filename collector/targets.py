@@ -1,31 +1,87 @@
-"""Targets: what a probe runs against. The embedded target runs the engine in this process."""
+"""Targets: what a probe runs against. The embedded target runs the engine in this process.
+
+A target's `run_probe` returns the engine's `GenerationResult` (in-process) or an `Observation`
+(what a remote server reported); a failure raises, ideally a `TargetError` whose `reason` is the
+stable label stored with the failed result.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+import threading
+from typing import Protocol, Sequence, runtime_checkable
 
 from engine import GenerationResult, PruningEngine
+from engine.pruning_engine import TokenDelta
 from probes import Probe
+
+
+class TargetError(Exception):
+    """A probe failed for a reason the collector records as `failure_reason`."""
+
+    reason = "exception"
+
+
+class ProbeTimeoutError(TargetError, TimeoutError):
+    """The probe overran its target's timeout and was abandoned."""
+
+    reason = "timeout"
+
+
+class ProbeCancelledError(TargetError):
+    """The probe was stopped from outside (its timeout passed, or the collector is stopping)."""
+
+    reason = "timeout"
+
+
+@runtime_checkable
+class Observation(Protocol):
+    """What a remote target measured; turns itself into the collector's ProbeResult."""
+
+    def to_result(self, *, target: str, probe: Probe, round_id: str, duration_ms: float): ...
 
 
 class Target(Protocol):
     name: str
     model: str
 
-    def run_probe(self, probe: Probe) -> GenerationResult: ...
+    def run_probe(self, probe: Probe) -> GenerationResult | Observation: ...
 
 
 class InProcessTarget:
     """The engine in this process; probes always get the quality check against the dense model."""
 
-    def __init__(self, engine: PruningEngine, *, name: str = "embedded", sensitivity: float | None = None) -> None:
+    def __init__(self, engine: PruningEngine, *, name: str = "embedded", sensitivity: float | None = None,
+                 layer_blacklist: Sequence[int] | None = None) -> None:
         self.engine = engine
         self.name = name
         self.model = engine.name
         self.sensitivity = sensitivity
+        self.layer_blacklist = None if layer_blacklist is None else sorted(set(layer_blacklist))
 
-    def run_probe(self, probe: Probe) -> GenerationResult:
-        return self.engine.generate(
+    def with_overrides(self, *, sensitivity: float | None = None,
+                       layer_blacklist: Sequence[int] | None = None) -> "InProcessTarget":
+        """The same engine probed with another sensitivity / blacklist (tune sweeps use this)."""
+        return InProcessTarget(
+            self.engine, name=self.name,
+            sensitivity=self.sensitivity if sensitivity is None else sensitivity,
+            layer_blacklist=self.layer_blacklist if layer_blacklist is None else layer_blacklist)
+
+    def run_probe(self, probe: Probe, cancel: threading.Event | None = None) -> GenerationResult:
+        """Generate token by token so a set `cancel` stops the work at the next token."""
+        result = None
+        stream = self.engine.stream(
             probe.prompt, system=probe.system or None, max_new_tokens=probe.max_tokens,
-            sensitivity=self.sensitivity, quality=True,
+            sensitivity=self.sensitivity, layer_blacklist=self.layer_blacklist, quality=True,
         )
+        try:
+            for item in stream:
+                if isinstance(item, TokenDelta):
+                    if cancel is not None and cancel.is_set():
+                        raise ProbeCancelledError(f"probe {probe.id} cancelled after its timeout")
+                    continue
+                result = item
+        finally:
+            stream.close()
+        if not isinstance(result, GenerationResult):  # stream always ends with its result
+            raise RuntimeError("generation ended without a result")
+        return result

@@ -176,7 +176,16 @@ def _mount_groups() -> None:
     from dashboards import cli as dashboards_cli
     from roi import cli as roi_cli
 
+    from collector import cli as collector_cli
     from prunewatch.stack import cli as stack_cli
+
+    app.command("collect")(collector_cli.collect_command)
+    app.command("tune")(collector_cli.tune_command)
+    app.command("doctor")(collector_cli.doctor_command)
+    db_app = typer.Typer(help="The result store: migrations and retention.", no_args_is_help=True)
+    db_app.command("upgrade")(collector_cli.db_upgrade_command)
+    db_app.command("prune")(collector_cli.db_prune_command)
+    app.add_typer(db_app, name="db")
 
     stack_app = typer.Typer(help="The whole stack as local processes on 127.0.0.1 (no Docker).", no_args_is_help=True)
     stack_app.command("up")(stack_cli.stack_up_command)

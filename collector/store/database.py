@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-
-from collector.store.models import Base
 
 
 class StoreUnavailableError(RuntimeError):
@@ -14,17 +13,27 @@ class StoreUnavailableError(RuntimeError):
 
 def _safe_url(url: str) -> str:
     try:
-        from sqlalchemy.engine import make_url
-
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:
         return "<unparseable URL>"
 
 
+def reason(exc: BaseException) -> str:
+    """The driver's own first line (e.g. "connection refused"), without SQLAlchemy's wrapping."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+PG_CONNECT_TIMEOUT_S = 5  # a collector must notice an unreachable server quickly and buffer instead
+
+
 def connect(url: str, *, check: bool = True) -> Engine:
     """An Engine for `url`; with `check`, one round trip proves the database answers."""
     try:
-        engine = create_engine(url, pool_pre_ping=True, future=True)
+        connect_args = {}
+        if make_url(url).get_backend_name() == "postgresql":
+            connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+        engine = create_engine(url, pool_pre_ping=True, future=True, connect_args=connect_args)
     except (ArgumentError, ImportError, SQLAlchemyError) as exc:
         raise StoreUnavailableError(f"invalid database URL {_safe_url(url)}: {exc}".splitlines()[0]) from exc
     if engine.dialect.name == "sqlite":
@@ -46,8 +55,11 @@ def connect(url: str, *, check: bool = True) -> Engine:
 
 
 def create_schema(engine: Engine) -> None:
-    """Create missing tables (a fresh SQLite default); production schemas are migrated instead."""
-    try:
-        Base.metadata.create_all(engine)
-    except SQLAlchemyError as exc:
-        raise StoreUnavailableError(f"cannot create the schema: {str(exc).splitlines()[0]}") from exc
+    """Bring the store to the newest schema through the migrations (creating it when empty).
+
+    Why migrations even for a fresh SQLite file: a store made today must be upgradable by the
+    same history tomorrow, which a bare create_all would not record.
+    """
+    from collector.store.migrate import upgrade
+
+    upgrade(engine)

@@ -1,4 +1,8 @@
-"""Tables: one row per collector round, one row per probe result."""
+"""Tables: one row per collector round, one row per probe result.
+
+The schema of record is the Alembic history in collector/store/migrations; these models equal its
+head (a test compares them), so a change here needs a new revision there.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +29,10 @@ class RoundRow(Base):
     probes_ok: Mapped[int] = mapped_column(Integer, default=0)
     probes_failed: Mapped[int] = mapped_column(Integer, default=0)
     probe_set_digest: Mapped[str] = mapped_column(String(64))
+
+    __table_args__ = (
+        Index("ix_collector_rounds_target_started_at", "target", "started_at"),
+    )
 
 
 class ProbeResultRow(Base):
@@ -77,4 +85,6 @@ class ProbeResultRow(Base):
         Index("ix_probe_results_created_at", "created_at"),
         Index("ix_probe_results_target_created_at", "target", "created_at"),
         Index("ix_probe_results_domain_created_at", "domain", "created_at"),
+        Index("ix_probe_results_model_domain_created_at", "model", "domain", "created_at"),
+        Index("ix_probe_results_round_id", "round_id"),
     )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime, timezone
+from typing import Iterable, Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import Insert, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from collector.results import ProbeResult
@@ -30,23 +31,72 @@ class ResultRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
 
+    def _insert_ignoring_duplicates(self, table, key: str) -> Insert:
+        """INSERT that skips rows whose primary key exists, in the dialect's own words.
+
+        Why: a result written, then retried after a lost acknowledgement (or replayed from the
+        on-disk buffer after a crash), must not fail the batch nor appear twice.
+        """
+        dialect = self.session.get_bind().dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table).on_conflict_do_nothing(index_elements=[key])
+        if dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+            return sqlite_insert(table).on_conflict_do_nothing(index_elements=[key])
+        return insert(table)
+
+    def _supports_upsert(self) -> bool:
+        return self.session.get_bind().dialect.name in ("postgresql", "sqlite")
+
     def start_round(self, *, round_id: str, target: str, model: str, started_at: datetime, probe_set_digest: str) -> None:
-        if self.session.get(RoundRow, round_id) is None:
-            self.session.add(RoundRow(round_id=round_id, target=target, model=model, started_at=started_at,
-                                      probe_set_digest=probe_set_digest))
+        self.start_rounds([dict(round_id=round_id, target=target, model=model, started_at=started_at,
+                                probe_set_digest=probe_set_digest)])
+
+    def start_rounds(self, rounds: Sequence[dict]) -> None:
+        """Insert round rows (round_id, target, model, started_at, probe_set_digest); existing ids are kept."""
+        if not rounds:
+            return
+        if self._supports_upsert():
+            self.session.execute(self._insert_ignoring_duplicates(RoundRow.__table__, "round_id"),
+                                 [{**r, "probes_ok": 0, "probes_failed": 0} for r in rounds])
+            return
+        for r in rounds:
+            if self.session.get(RoundRow, r["round_id"]) is None:
+                self.session.add(RoundRow(**r))
 
     def finish_round(self, round_id: str, *, finished_at: datetime, ok: int, failed: int) -> None:
-        row = self.session.get(RoundRow, round_id)
-        if row is not None:
-            row.finished_at, row.probes_ok, row.probes_failed = finished_at, ok, failed
+        """Set the round's end and counts; repeating it writes the same values (idempotent)."""
+        self.session.execute(update(RoundRow).where(RoundRow.round_id == round_id)
+                             .values(finished_at=finished_at, probes_ok=ok, probes_failed=failed))
 
     def add(self, result: ProbeResult) -> bool:
         """Insert unless a row with the same result_id exists; returns whether it inserted."""
-        if self.session.get(ProbeResultRow, result.result_id) is not None:
-            return False
-        values = result.to_dict()
-        self.session.add(ProbeResultRow(**values))
-        return True
+        return self.add_many([result]) == 1
+
+    def add_many(self, results: Iterable[ProbeResult]) -> int:
+        """Insert a batch in one statement, skipping result ids already stored; returns rows inserted."""
+        rows = [r.to_dict() for r in results]
+        if not rows:
+            return 0
+        if not self._supports_upsert():
+            inserted = 0
+            for values in rows:
+                if self.session.get(ProbeResultRow, values["result_id"]) is None:
+                    self.session.add(ProbeResultRow(**values))
+                    inserted += 1
+            self.session.flush()
+            return inserted
+        # Count what is new before inserting: drivers do not report rowcounts of batched inserts
+        # reliably. The "on conflict do nothing" still guards against a concurrent writer.
+        before = set(self.session.scalars(select(ProbeResultRow.result_id)
+                                          .where(ProbeResultRow.result_id.in_([v["result_id"] for v in rows]))))
+        fresh = list({v["result_id"]: v for v in rows if v["result_id"] not in before}.values())
+        if fresh:
+            self.session.execute(self._insert_ignoring_duplicates(ProbeResultRow.__table__, "result_id"), fresh)
+        return len(fresh)
 
     def get(self, result_id: str) -> ProbeResult | None:
         row = self.session.get(ProbeResultRow, result_id)

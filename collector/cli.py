@@ -1,0 +1,232 @@
+"""Commands of the production collector, as plain functions the `prunewatch` app mounts.
+
+    prunewatch collect --config targets.yaml [--db URL] [--rounds N]
+    prunewatch db upgrade --db URL
+    prunewatch db prune --db URL --older-than 90d [--dry-run]
+    prunewatch tune --config targets.yaml --target T
+    prunewatch doctor --config targets.yaml --target T
+
+Bad input is one `error: ...` line and exit code 2; doctor exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+
+from prunewatch.cli_errors import fail
+
+DB_ENV = "PRUNEWATCH_COLLECTOR_DB_URL"
+DEFAULT_DB = "sqlite:///prunewatch.db"
+
+
+def _first_error(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "value"
+        return f"{where}: {first.get('msg')} (got {first.get('input')!r})"
+    return str(exc).splitlines()[0]
+
+
+def _safe(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    if not verbose:  # a round longer than its interval is coalesced by design; say so only when asked
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)
+
+
+def collect_command(
+    config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
+    db: str = typer.Option(None, "--db", envvar=DB_ENV, help="SQLAlchemy URL of the store (overrides the file)."),
+    buffer: Path = typer.Option(None, "--buffer", help="On-disk buffer file (default prunewatch-buffer.sqlite)."),
+    rounds: int = typer.Option(None, "--rounds", min=1, help="Stop after N rounds per target (default: run on)."),
+    metrics_port: int = typer.Option(None, "--metrics-port", help="Port of /metrics (0 disables; default 9464)."),
+    metrics_host: str = typer.Option(None, "--metrics-host", help="Address of /metrics (default 127.0.0.1)."),
+    pushgateway: str = typer.Option(None, "--pushgateway", help="Pushgateway URL to push to after each round."),
+    target: list[str] = typer.Option(None, "--target", "-t", help="Probe only this target (repeatable)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
+) -> None:
+    """The production collector: every configured target on its schedule, PostgreSQL, nothing lost."""
+    from pydantic import ValidationError
+
+    from collector.fleet import FleetSettings, build_jobs, run_collector
+    from collector.spool import SpoolError
+    from collector.store import StoreUnavailableError, connect
+    from collector.target_config import TargetConfigError, load_targets
+    from engine.errors import EngineError
+    from probes import ProbeFileError, load_probes
+
+    _logging(verbose)
+    try:
+        parsed = load_targets(config)
+        settings = FleetSettings().with_file(parsed, db_url=db, buffer_path=buffer, rounds=rounds,
+                                             metrics_port=metrics_port, metrics_host=metrics_host,
+                                             pushgateway_url=pushgateway)
+        connect(settings.db_url, check=False).dispose()  # the URL is usable (the server may still be down)
+        probe_set = load_probes(settings.probes_path)
+        jobs = build_jobs(parsed, probe_set, calibration_dir=settings.calibration_dir, only=target or None)
+    except ValidationError as exc:
+        raise fail(_first_error(exc))
+    except (TargetConfigError, ProbeFileError, EngineError, StoreUnavailableError, ValueError) as exc:
+        raise fail(str(exc))
+    typer.echo(f"probing {len(jobs)} target(s): " + ", ".join(
+        f"{j.target.name} every {j.interval_s:g}s ({len(j.probe_set.probes)} probes)" for j in jobs)
+        + f"; store {_safe(settings.db_url)}, buffer {settings.buffer_path}")
+
+    def on_round(summary) -> None:
+        typer.echo(f"round {summary.round_id[:8]} {summary.target}: {summary.ok} ok, {summary.failed} failed")
+
+    try:
+        outcome = run_collector(settings, jobs, on_round=on_round)
+    except (SpoolError, StoreUnavailableError) as exc:
+        raise fail(str(exc))
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    typer.echo(f"done: {outcome.rounds} round(s), {outcome.results} result(s), {outcome.failures} failed; "
+               f"{outcome.written} written to the store, {outcome.buffered} record(s) left in the buffer")
+
+
+def db_upgrade_command(
+    db: str = typer.Option(DEFAULT_DB, "--db", envvar=DB_ENV, help="SQLAlchemy URL of the store."),
+    revision: str = typer.Option("head", "--revision", help="Target revision (default: the newest)."),
+) -> None:
+    """Create or migrate the store's schema (Alembic)."""
+    from collector.store import StoreUnavailableError, connect
+    from collector.store.migrate import upgrade
+
+    try:
+        engine = connect(db)
+        before, after = upgrade(engine, revision)
+    except StoreUnavailableError as exc:
+        raise fail(str(exc))
+    except Exception as exc:  # alembic's own errors: an unknown revision, for one
+        raise fail(f"cannot migrate to {revision!r}: {str(exc).splitlines()[0]}")
+    engine.dispose()
+    typer.echo(f"store {_safe(db)}: schema {before or 'empty'} -> {after}"
+               + (" (already current)" if before == after else ""))
+
+
+def db_prune_command(
+    older_than: str = typer.Option(..., "--older-than", help="Delete results older than this: 90d, 12h, 2w, 30m."),
+    db: str = typer.Option(DEFAULT_DB, "--db", envvar=DB_ENV, help="SQLAlchemy URL of the store."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
+) -> None:
+    """Retention: delete probe results (and emptied rounds) older than the given age."""
+    from collector.store import StoreUnavailableError, connect
+    from collector.store.migrate import is_current
+    from collector.store.retention import parse_age, prune_older_than
+
+    try:
+        age = parse_age(older_than)
+    except ValueError as exc:
+        raise fail(f"--older-than: {exc}")
+    try:
+        engine = connect(db)
+        if not is_current(engine):
+            raise fail(f"store {_safe(db)} is not migrated to the current schema; run `prunewatch db upgrade`")
+        report = prune_older_than(engine, age, dry_run=dry_run)
+    except StoreUnavailableError as exc:
+        raise fail(str(exc))
+    engine.dispose()
+    verb = "would delete" if report.dry_run else "deleted"
+    typer.echo(f"{verb} {report.results_deleted} result(s) and {report.rounds_deleted} round(s) older than "
+               f"{report.cutoff.isoformat(timespec='seconds')} from {_safe(db)}")
+
+
+def _grid(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--points: expected comma-separated numbers, got {text!r}") from None
+    if any(not 0.0 <= v <= 1.0 for v in values):
+        raise ValueError(f"--points: sensitivities must be within [0, 1], got {text!r}")
+    return values
+
+
+def tune_command(
+    target: str = typer.Option(..., "--target", "-t", help="Name of the target in the config file."),
+    config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
+    points: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", "--points",
+                               help="Sensitivities to sweep; must include 0 and 1."),
+    margin: float = typer.Option(0.07, "--margin", help="Safety margin below the knee."),
+    out: Path = typer.Option(Path("."), "--out", help="Folder for tune-<target>.json and .png."),
+    repeats: int = typer.Option(1, "--repeats", help="Sweeps over the grid (alternating direction); median latency."),
+    blacklist: bool = typer.Option(False, "--blacklist", help="Also discover a layer blacklist (per-layer A/B)."),
+    probes: Path = typer.Option(None, "--probes", help="Probes YAML (default: the canonical probes)."),
+) -> None:
+    """Sweep sensitivity 0..1 on a target, find the knee, recommend knee - margin (JSON + plot)."""
+    import dataclasses
+
+    from collector.fleet import FleetSettings, build_jobs
+    from collector.target_config import TargetConfigError, load_targets
+    from collector.tune import TuneError, TuneSettings, tune, write_report
+    from engine.errors import EngineError
+    from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+
+    _logging(False)
+    try:
+        settings = TuneSettings(sensitivities=_grid(points), margin=margin, repeats=repeats, blacklist=blacklist)
+        parsed = load_targets(config)
+        probe_set = load_probes(probes or parsed.collector.probes_path or DEFAULT_PROBES_PATH)
+        (job,) = build_jobs(parsed, probe_set, only=[target], calibration_dir=FleetSettings().calibration_dir)
+        settings = dataclasses.replace(settings, probe_timeout_s=job.timeout_s or settings.probe_timeout_s)
+        report = tune(job.target, job.probe_set, settings, progress=lambda m: typer.echo(f"  {m}", err=True))
+    except (TuneError, TargetConfigError, ProbeFileError, EngineError, ValueError) as exc:
+        raise fail(str(exc))
+    json_path, png_path = write_report(report, out)
+    typer.echo(f"{'sensitivity':>11} {'ratio':>7} {'latency ms':>10} {'quality':>8} {'failed':>6}")
+    for p in report.points:
+        ratio = "—" if p.pruning_ratio is None else f"{p.pruning_ratio:.3f}"
+        typer.echo(f"{p.sensitivity:>11.2f} {ratio:>7} {p.latency_ms:>10.1f} {p.quality:>8.3f} {p.failed:>6}")
+    typer.echo(f"latency: {report.latency_source}; quality: {report.quality_source}")
+    typer.echo(f"quality knee {report.quality_knee if report.quality_knee is not None else 'none'}, latency knee "
+               f"{report.latency_knee if report.latency_knee is not None else 'none'} -> knee {report.knee:.2f}; "
+               f"recommended sensitivity {report.recommended_sensitivity:.2f} (margin {report.margin:.2f})")
+    if blacklist:
+        typer.echo(f"recommended layer blacklist: {report.recommended_blacklist or 'none'} "
+                   f"({len(report.blacklist_trials)} layer(s) tried)")
+    typer.echo(f"wrote {json_path} and {png_path}")
+
+
+def doctor_command(
+    target: str = typer.Option(..., "--target", "-t", help="Name of the target in the config file."),
+    config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
+    db: str = typer.Option(None, "--db", envvar=DB_ENV, help="Store URL (default: the file's, else sqlite)."),
+    metrics_url: str = typer.Option(None, "--metrics-url",
+                                    help="The collector's /metrics (default from the file's metrics_host/port)."),
+) -> None:
+    """The pruning autopsy: one PASS/FAIL line per check with what to do; exit code 1 if any FAIL."""
+    from collector.doctor import run_doctor
+    from collector.fleet import FleetSettings
+    from collector.target_config import TargetConfigError, load_targets
+    from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+
+    _logging(False)
+    try:
+        parsed = load_targets(config)
+        spec = parsed.target(target)
+        probe_set = load_probes(parsed.collector.probes_path or DEFAULT_PROBES_PATH)
+    except (TargetConfigError, ProbeFileError) as exc:
+        raise fail(str(exc))
+    section = parsed.collector
+    if metrics_url is None and section.metrics_port != 0:
+        metrics_url = f"http://{section.metrics_host or '127.0.0.1'}:{section.metrics_port or 9464}/metrics"
+    checks = run_doctor(spec, probe_set, db_url=db or section.db_url or DEFAULT_DB, collector_metrics_url=metrics_url,
+                        calibration_dir=FleetSettings().calibration_dir)
+    typer.echo(f"prunewatch doctor: target {spec.name} ({spec.kind}"
+               + (f", {spec.base_url}" if spec.base_url else "") + ")")
+    for check in checks:
+        for line in check.lines():
+            typer.echo(line)
+    failed = [c.name for c in checks if c.failed]
+    typer.echo(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else "all checks passed")
+    if failed:
+        raise typer.Exit(1)

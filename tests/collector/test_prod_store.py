@@ -1,0 +1,177 @@
+"""Store in production: Alembic migrations equal the models, upserts, retention, and the db commands."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import typer
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+from sqlalchemy.orm import Session
+from typer.testing import CliRunner
+
+from collector.cli import db_prune_command, db_upgrade_command
+from collector.store import ResultRepository, connect, create_schema
+from collector.store.migrate import current_revision, head_revision, upgrade
+from collector.store.models import Base
+from collector.store.retention import parse_age, prune_older_than
+from tests.collector.factories import ok_result
+from tests.collector.prod_helpers import count_rows, fresh_database
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+QUERY_INDEXES = {"ix_probe_results_created_at", "ix_probe_results_target_created_at",
+                 "ix_probe_results_domain_created_at", "ix_probe_results_model_domain_created_at",
+                 "ix_probe_results_round_id"}
+
+
+def assert_schema_equals_models(engine) -> None:
+    with engine.connect() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+    assert {ix["name"] for ix in inspect(engine).get_indexes("probe_results")} == QUERY_INDEXES
+    assert current_revision(engine) == head_revision() == "0002"
+
+
+@pytest.mark.integration
+def test_postgres_upgrade_from_empty_then_again(postgres):
+    engine = connect(fresh_database(postgres))
+    assert current_revision(engine) is None
+    assert upgrade(engine) == (None, "0002")
+    assert upgrade(engine) == ("0002", "0002")  # idempotent
+    assert_schema_equals_models(engine)
+    with engine.connect() as connection:  # timestamps are zone-aware in PostgreSQL
+        kinds = set(connection.execute(text(
+            "SELECT data_type FROM information_schema.columns WHERE column_name IN ('created_at', 'started_at')")).scalars())
+    assert kinds == {"timestamp with time zone"}
+    engine.dispose()
+
+
+@pytest.mark.integration
+def test_postgres_step_by_step_and_downgrade(postgres):
+    engine = connect(fresh_database(postgres))
+    assert upgrade(engine, "0001") == (None, "0001")
+    assert "ix_probe_results_round_id" not in {ix["name"] for ix in inspect(engine).get_indexes("probe_results")}
+    assert upgrade(engine) == ("0001", "0002")
+    assert_schema_equals_models(engine)
+    engine.dispose()
+
+
+def test_store_made_before_migrations_is_adopted(tmp_path):
+    """A SQLite file created by create_all (the embedded collector before migrations) is stamped, then upgraded."""
+    engine = connect(f"sqlite:///{tmp_path / 'old.db'}")
+    old_models = [ix for ix in Base.metadata.tables["probe_results"].indexes
+                  if ix.name in ("ix_probe_results_model_domain_created_at", "ix_probe_results_round_id")]
+    Base.metadata.create_all(engine)
+    with engine.begin() as connection:  # as the first release created it: without 0002's indexes
+        for ix in old_models:
+            connection.execute(text(f"DROP INDEX {ix.name}"))
+        connection.execute(text("DROP INDEX ix_collector_rounds_target_started_at"))
+    with Session(engine) as session, session.begin():
+        repo = ResultRepository(session)
+        result = ok_result()
+        repo.start_round(round_id=result.round_id, target="t", model="m", started_at=NOW, probe_set_digest="d")
+        repo.add(result)
+    create_schema(engine)
+    assert_schema_equals_models(engine)
+    with Session(engine) as session:
+        assert ResultRepository(session).get(result.result_id) == result  # data kept
+    engine.dispose()
+
+
+def seed(engine, ages_days: dict[str, list[float]], now: datetime = NOW) -> dict[str, list[str]]:
+    """One round per key, started at the oldest of its results; results aged as given (days before `now`)."""
+    ids: dict[str, list[str]] = {}
+    with Session(engine) as session, session.begin():
+        repo = ResultRepository(session)
+        for round_key, ages in ages_days.items():
+            round_id = round_key * 32
+            repo.start_round(round_id=round_id, target="t", model="m",
+                             started_at=now - timedelta(days=max(ages)), probe_set_digest="d")
+            batch = [ok_result(round_id=round_id, created_at=now - timedelta(days=age)) for age in ages]
+            assert repo.add_many(batch) == len(batch)
+            assert repo.add_many(batch) == 0  # a replay inserts nothing
+            ids[round_key] = [r.result_id for r in batch]
+    return ids
+
+
+def check_retention(url: str) -> None:
+    engine = connect(url)
+    create_schema(engine)
+    ids = seed(engine, {"a": [120, 100], "b": [95, 80], "c": [10, 1]})
+    dry = prune_older_than(engine, timedelta(days=90), now=NOW, dry_run=True)
+    assert (dry.results_deleted, dry.rounds_deleted, dry.dry_run) == (3, 1, True)
+    report = prune_older_than(engine, timedelta(days=90), now=NOW, batch_size=2)
+    assert (report.results_deleted, report.rounds_deleted) == (3, 1)
+    assert report.cutoff == NOW - timedelta(days=90)
+    with Session(engine) as session:
+        repo = ResultRepository(session)
+        assert sorted(r.result_id for r in repo.list()) == sorted([ids["b"][1], *ids["c"]])
+        assert repo.round_count() == 2  # round b keeps its recent result; round a is gone
+    assert prune_older_than(engine, timedelta(days=90), now=NOW).results_deleted == 0
+    engine.dispose()
+
+
+def test_retention_sqlite(tmp_path):
+    check_retention(f"sqlite:///{tmp_path / 'r.db'}")
+
+
+@pytest.mark.integration
+def test_retention_postgres(postgres):
+    check_retention(fresh_database(postgres))
+
+
+@pytest.mark.parametrize("text_, seconds", [("90d", 90 * 86400), ("12h", 43200), ("30m", 1800), ("2w", 1209600),
+                                            (" 7d ", 604800)])
+def test_parse_age(text_, seconds):
+    assert parse_age(text_).total_seconds() == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "90", "0d", "-1d", "1y", "1.5d", "d90"])
+def test_parse_age_rejects(bad):
+    with pytest.raises(ValueError, match="expected a positive age like 90d"):
+        parse_age(bad)
+
+
+def cli() -> typer.Typer:
+    app = typer.Typer()
+    db = typer.Typer()
+    db.command("upgrade")(db_upgrade_command)
+    db.command("prune")(db_prune_command)
+    app.add_typer(db, name="db")
+    return app
+
+
+@pytest.mark.integration
+def test_db_commands_against_postgres(postgres):
+    url = fresh_database(postgres)
+    runner = CliRunner()
+    first = runner.invoke(cli(), ["db", "upgrade", "--db", url])
+    assert first.exit_code == 0, first.output
+    assert "schema empty -> 0002" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
+    again = runner.invoke(cli(), ["db", "upgrade", "--db", url])
+    assert "schema 0002 -> 0002 (already current)" in again.output
+    engine = connect(url)
+    seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
+    engine.dispose()
+    dry = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "90d", "--dry-run"])
+    assert dry.exit_code == 0 and dry.output.startswith("would delete 2 result(s) and 1 round(s) older than ")
+    pruned = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "90d"])
+    assert pruned.exit_code == 0, pruned.output
+    assert pruned.output.startswith("deleted 2 result(s) and 1 round(s) older than ")
+    assert count_rows(url, "SELECT round_id FROM probe_results") == [("b" * 32,)]
+
+
+def test_db_commands_bad_input(tmp_path):
+    runner = CliRunner()
+    bad_age = runner.invoke(cli(), ["db", "prune", "--older-than", "ninety days", "--db", f"sqlite:///{tmp_path}/x.db"])
+    assert bad_age.exit_code == 2
+    assert bad_age.output.strip() == ("error: --older-than: expected a positive age like 90d, 12h, 30m or 2w, "
+                                      "got 'ninety days'")
+    unmigrated = runner.invoke(cli(), ["db", "prune", "--older-than", "90d", "--db", f"sqlite:///{tmp_path}/x.db"])
+    assert unmigrated.exit_code == 2 and "is not migrated to the current schema; run `prunewatch db upgrade`" in unmigrated.output
+    down = runner.invoke(cli(), ["db", "upgrade", "--db", "postgresql+psycopg://u:secret@127.0.0.1:9/x"])
+    assert down.exit_code == 2 and down.output.startswith("error: cannot connect to database ")
+    assert "secret" not in down.output
+    garbage = runner.invoke(cli(), ["db", "upgrade", "--db", "not a url"])
+    assert garbage.exit_code == 2 and garbage.output.startswith("error: invalid database URL")

@@ -1,0 +1,127 @@
+"""`prunewatch tune`: knees found on known curves, and a real sweep of the probe engine written as JSON + PNG."""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from collector.cli import tune_command
+from collector.http_target import HttpTarget
+from collector.targets import InProcessTarget
+from collector.tune import TuneError, TuneSettings, kneedle, tune, word_agreement, write_report
+from engine.stats import GenerationResult, QualityReport, RequestStats
+from probes import ProbeSet
+from tests.collector.prod_helpers import PROBES, SMALL_PROBES
+
+GRID = tuple(round(i / 10, 1) for i in range(11))
+
+
+class CurveTarget:
+    """A target whose figures are known functions of sensitivity (and of a protected layer 5).
+
+    quality: 1 dense; 0.95 while layer 5 is bypassed; falls by 0.2 per 0.1 above 0.6.
+    latency per token: 100 ms dense, falling linearly to 40 ms at 0.5, flat after.
+    """
+
+    name = "curve"
+    model = "curve-model"
+
+    def __init__(self, sensitivity: float = 0.5, layer_blacklist=None, with_quality: bool = True) -> None:
+        self.sensitivity = sensitivity
+        self.layer_blacklist = list(layer_blacklist or [])
+        self.with_quality = with_quality
+
+    def with_overrides(self, *, sensitivity=None, layer_blacklist=None):
+        return CurveTarget(sensitivity, layer_blacklist, self.with_quality)
+
+    def run_probe(self, probe):
+        s = self.sensitivity
+        bypassed = [layer for layer in ([3, 5] if s > 0 else []) if layer not in self.layer_blacklist]
+        quality = 1.0 - (0.05 if 5 in bypassed else 0.0) - max(0.0, round(s - 0.6, 6)) * 2
+        per_token = 100.0 * (1 - 0.6 * min(s, 0.5) / 0.5)
+        stats = RequestStats(
+            request_id=uuid.uuid4().hex, model=self.model, device="cpu", dtype="float32", prompt_tokens=8,
+            completion_tokens=4, preprocessing_ms=1.0, inference_ms=per_token * 4, postprocessing_ms=1.0, ttft_ms=1.0,
+            decode_tokens_per_s=1.0, tokens_per_s=1.0, sensitivity=s, pruning_ratio=0.5 * s, executed_flops=1,
+            dense_flops=2, layers_bypassed=bypassed,
+            quality=QualityReport(quality, 10.0, 10.0, 0.0, 4) if self.with_quality else None)
+        return GenerationResult(text="word " * round(quality * 20), token_ids=[1, 2, 3, 4], stats=stats)
+
+
+def test_kneedle_on_textbook_curves():
+    xs = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert kneedle(xs, [1.0, 1.0, 1.0, 0.99, 0.9, 0.6], decreasing=True, min_distance=0.05) == 0.6
+    assert kneedle(xs, [0.0, 0.2, 0.35, 0.42, 0.45, 0.46], decreasing=False, min_distance=0.05) == 0.4
+    assert kneedle(xs, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0], decreasing=False, min_distance=0.05) is None  # no bend
+    assert kneedle(xs, [1.0] * 6, decreasing=True, min_distance=0.05) is None  # flat
+
+
+def test_known_curves_give_the_expected_knees_recommendation_and_blacklist(tmp_path):
+    report = tune(CurveTarget(), ProbeSet(PROBES.probes[:2], "t"), TuneSettings(sensitivities=GRID, blacklist=True))
+    assert [p.pruning_ratio for p in report.points] == [0.5 * s for s in GRID]
+    assert [p.latency_ms for p in report.points] == pytest.approx([100, 88, 76, 64, 52, 40, 40, 40, 40, 40, 40])
+    assert [p.quality for p in report.points] == pytest.approx([1, .95, .95, .95, .95, .95, .95, .75, .55, .35, .15])
+    assert (report.quality_knee, report.latency_knee, report.knee) == (0.6, 0.5, 0.5)
+    assert report.recommended_sensitivity == 0.43 and report.margin == 0.07
+    assert [(t.layer, round(t.quality_gain, 6)) for t in report.blacklist_trials] == [(3, 0.0), (5, 0.05)]
+    assert report.recommended_blacklist == [5]
+    assert report.quality_source.startswith("token agreement with the dense model")
+    twice = tune(CurveTarget(), ProbeSet(PROBES.probes[:2], "t"), TuneSettings(sensitivities=GRID, repeats=2))
+    assert [p.probes for p in twice.points] == [4] * 11  # two passes of two probes per point
+    assert (twice.knee, twice.recommended_sensitivity) == (0.5, 0.43)
+    json_path, png_path = write_report(report, tmp_path)
+    saved = json.loads(json_path.read_text())
+    assert saved["recommended_sensitivity"] == 0.43 and len(saved["points"]) == 11
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_engine_quality_the_output_is_compared_with_the_dense_answer():
+    report = tune(CurveTarget(with_quality=False), ProbeSet(PROBES.probes[:1], "t"), TuneSettings(sensitivities=GRID))
+    assert report.quality_source.startswith("word agreement with the target's own output at sensitivity 0")
+    assert [p.quality for p in report.points] == pytest.approx([1, .95, .95, .95, .95, .95, .95, .75, .55, .35, .15])
+    assert word_agreement("a b x", "a b c d") == 0.5 and word_agreement("", "") == 1.0
+
+
+def test_settings_and_targets_that_cannot_be_tuned():
+    with pytest.raises(TuneError, match="must include the baselines 0.0 \\(dense\\) and 1.0"):
+        TuneSettings(sensitivities=(0.0, 0.5, 0.9))
+    with pytest.raises(TuneError, match="at least 3 distinct values in increasing order"):
+        TuneSettings(sensitivities=(0.0, 1.0, 0.5))
+    baseline = HttpTarget(name="vllm", base_url="http://127.0.0.1:9", model="m", kind="openai")
+    with pytest.raises(TuneError, match="vllm is a baseline \\(openai\\): it does not prune"):
+        tune(baseline, PROBES)
+
+
+def test_real_sweep_of_the_probe_engine(probe_engine, tmp_path):
+    report = tune(InProcessTarget(probe_engine, name="embedded"), SMALL_PROBES,
+                  TuneSettings(sensitivities=(0.0, 0.5, 1.0)))
+    dense, half, full = report.points
+    assert (dense.pruning_ratio, dense.quality, dense.layers_bypassed, dense.failed) == (0.0, 1.0, {}, 0)
+    assert 0 < half.pruning_ratio < full.pruning_ratio < 1  # measured, more skipped at higher sensitivity
+    assert set(half.layers_bypassed) <= set(full.layers_bypassed)
+    assert all(0 <= p.quality <= 1 and p.latency_ms > 0 for p in report.points)
+    assert report.recommended_sensitivity == round(max(0.0, report.knee - 0.07), 4)
+    assert report.latency_source == "engine inference time per token (measured)"
+    _, png = write_report(report, tmp_path)
+    width, height = struct.unpack(">II", png.read_bytes()[16:24])
+    assert (width, height) == (880, 715)
+
+
+def test_tune_command_bad_input(tmp_path):
+    app = typer.Typer()
+    app.command()(tune_command)
+    config = tmp_path / "t.yaml"
+    config.write_text("targets:\n  - {name: vllm, kind: openai, base_url: 'http://127.0.0.1:9', model: m}\n")
+    runner = CliRunner()
+    bad = runner.invoke(app, ["--target", "vllm", "--config", str(config), "--points", "0,0.5,2"])
+    assert bad.exit_code == 2 and bad.output.strip() == "error: --points: sensitivities must be within [0, 1], got '0,0.5,2'"
+    baseline = runner.invoke(app, ["--target", "vllm", "--config", str(config)])
+    assert baseline.exit_code == 2
+    assert baseline.output.strip() == "error: target vllm is a baseline (openai): it does not prune, there is nothing to tune"
+    unknown = runner.invoke(app, ["--target", "nope", "--config", str(config)])
+    assert unknown.exit_code == 2 and "no target named 'nope'" in unknown.output
