@@ -37,6 +37,7 @@ COPY probes ./probes
 COPY alerts ./alerts
 COPY dashboards ./dashboards
 COPY roi ./roi
+COPY bench ./bench
 
 # Editable, so the bundled probe model (engine/models/) stays where the code looks for it.
 ENV HOME=/var/lib/prunewatch \

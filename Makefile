@@ -9,7 +9,7 @@ STAMP := $(VENV)/.prunewatch-installed
 ROUNDS ?=
 RUN_ARGS ?= $(if $(ROUNDS),--rounds $(ROUNDS),)
 PYTEST_ARGS ?=
-DEBIAN_PACKAGES := postgresql prometheus prometheus-alertmanager chromium chromium-driver poppler-utils
+DEBIAN_PACKAGES := postgresql prometheus prometheus-alertmanager prometheus-pushgateway chromium chromium-driver poppler-utils
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup system-deps run test kernels clean

@@ -8,17 +8,17 @@ import shutil
 
 import pytest
 import typer
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 from collector.cli import doctor_command
+from collector.exposition import start_metrics_server
 from collector.metrics import CollectorMetrics
 from collector.store import connect
 from collector.store.migrate import upgrade
 from engine.server.app import create_app
 from engine.server.settings import ServerSettings
 from tests.collector.prod_helpers import baseline_server, fresh_database, serving
-from tests.support.servers import free_port
 
 KEY = "sk-doctor"
 HTTP_CHECKS = ["reachable", "auth", "model listed", "pruning headers", "ratio plausible", "calibration",
@@ -107,8 +107,8 @@ def test_baseline_target_and_the_collector_metrics_endpoint(tmp_path):
     engine = connect(store)
     upgrade(engine)
     engine.dispose()
-    port = free_port()
-    server, _ = start_http_server(port, addr="127.0.0.1", registry=CollectorMetrics(CollectorRegistry()).registry)
+    server, _ = start_metrics_server(CollectorMetrics(CollectorRegistry()), "127.0.0.1", 0)  # as `collect` serves it
+    port = server.server_address[1]
     try:
         with baseline_server() as (url, _):
             config = write_config(tmp_path, f"  - {{name: vllm, kind: openai, base_url: '{url}', "
@@ -117,6 +117,7 @@ def test_baseline_target_and_the_collector_metrics_endpoint(tmp_path):
                                                 "--metrics-url", f"http://127.0.0.1:{port}/metrics"])
     finally:
         server.shutdown()
+        server.server_close()
     assert result.exit_code == 0, result.output
     assert statuses(result.output) == {
         "reachable": "PASS", "auth": "PASS", "model listed": "PASS", "pruning headers": "PASS",

@@ -58,7 +58,7 @@ def test_export_command_writes_checks_and_refuses_bad_prices(tmp_path):
                                             "run `prunewatch dashboards export` and commit the result"]
     negative = runner.invoke(_app(), ["export", "--out-dir", str(tmp_path), "--gpu-usd-per-hour", "-1"])
     assert negative.exit_code == 2
-    assert negative.stderr == "error: gpu_usd_per_hour: Input should be greater than or equal to 0\n"
+    assert negative.stderr == "error: gpu_usd_per_hour: Input should be greater than or equal to 0 (got -1.0)\n"
 
 
 def test_cost_variables_carry_the_configured_prices_and_say_so():
