@@ -64,7 +64,8 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
 
     with console.status("loading model"):
         engine = PruningEngine.load(EngineSettings(model_dir=settings.model_dir, device=settings.device,
-                                                   sensitivity=settings.sensitivity, calibration_dir=calibration_dir))
+                                                   sensitivity=settings.sensitivity, calibration_dir=calibration_dir,
+                                                   activation_sparsity=settings.activation_sparsity))
     texts = probe_set.calibration_texts()
     with console.status("calibrating"):
         calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -54,6 +54,7 @@ class PruningEngine:
         self.instrumented: InstrumentedModel = instrument(loaded.model)
         validate_request(self.num_layers, settings.sensitivity, settings.layer_blacklist)
         self._calibration: Calibration | None = None
+        self._sparsity = None  # engine.sparse.SparsityInstallation once thresholds are calibrated
         if calibration is not None:
             self.use_calibration(calibration)
         config = loaded.model.config
@@ -115,15 +116,39 @@ class PruningEngine:
         corpus_digest: str,
         progress: Callable[[int, int], None] | None = None,
     ) -> tuple[Calibration, bool]:
-        """Use the cached calibration for this model and corpus if present; returns (it, was_cached)."""
+        """Use the cached calibration for this model and corpus if present (and, when activation sparsity
+        is configured, install the kernel with its thresholds); returns (it, was_cached)."""
         path = self.calibration_path(corpus_digest)
-        if path.is_file():
+        cached = path.is_file()
+        if cached:
             calibration = Calibration.load(path)
             self.use_calibration(calibration)
-            return calibration, True
-        calibration = self.calibrate(texts_by_domain, corpus_digest, progress)
-        calibration.save(path)
-        return calibration, False
+        else:
+            calibration = self.calibrate(texts_by_domain, corpus_digest, progress)
+            calibration.save(path)
+        if self.settings.activation_sparsity > 0.0:
+            self.enable_activation_sparsity(texts_by_domain, corpus_digest)
+        return calibration, cached
+
+    def enable_activation_sparsity(self, texts_by_domain: Mapping[str, Sequence[str]], corpus_digest: str) -> None:
+        """Calibrate per-layer input thresholds (cached beside the block calibration) and install the
+        sparse kernel on every block's linear layers. Raises SparseKernelUnavailableError off the CPU
+        or without a compiler: a sparse request is never run dense while reported as sparse."""
+        from engine.sparse import SparsityCalibration, calibrate_sparsity_on_texts, install_sparsity
+
+        if self._sparsity is not None:
+            return
+        path = self.calibration_path(corpus_digest).with_suffix(".sparsity.json")
+        if path.is_file():
+            sparsity_calibration = SparsityCalibration.load(path)
+        else:
+            texts = [text for domain in sorted(texts_by_domain) for text in texts_by_domain[domain]]
+            sparsity_calibration = calibrate_sparsity_on_texts(
+                self.instrumented, self.loaded.tokenizer, texts, model_fingerprint=self.loaded.fingerprint,
+                corpus_digest=corpus_digest)
+            sparsity_calibration.save(path)
+        self._sparsity = install_sparsity(self.instrumented, sparsity_calibration,
+                                          model_fingerprint=self.loaded.fingerprint)
 
     # -- requests ----------------------------------------------------------------------------
     def render_prompt(self, prompt: str | None = None, system: str | None = None,
@@ -248,7 +273,7 @@ class PruningEngine:
             raise InvalidRequestError("the prompt is empty after tokenization")
         user_text = prompt if messages is None else "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
         bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=user_text)
-        plan = bypass_plan.plan if bypass_plan else ExecutionPlan()
+        plan = self._with_sparsity(bypass_plan, blacklist) if bypass_plan else ExecutionPlan()
         preprocessed = time.perf_counter()
 
         ledger = ExecutionLedger()
@@ -305,6 +330,7 @@ class PruningEngine:
             dense_flops=ledger.dense_flops,
             layers_bypassed=sorted(plan.bypass),
             layers_total=self.num_layers,
+            activation_sparsity=round(ledger.activation_sparsity, 6),
             domain=bypass_plan.domain if bypass_plan else None,
             domain_confidence=round(bypass_plan.domain_confidence, 4) if bypass_plan else 0.0,
             fallback_reason=fallback,
@@ -331,6 +357,16 @@ class PruningEngine:
         if not isinstance(result, GenerationResult):  # stream always ends with its result
             raise RuntimeError("generation ended without a result")
         return result
+
+    def _with_sparsity(self, bypass_plan: BypassPlan, blacklist: list[int]) -> ExecutionPlan:
+        """Add the request's activation-sparsity target (sensitivity-scaled) to its bypass plan;
+        blacklisted and transition layers keep dense inputs."""
+        target = self.settings.activation_sparsity * bypass_plan.signals.effective_sensitivity
+        if self._sparsity is None or target <= 0.0:
+            return bypass_plan.plan
+        keep_dense = set(blacklist) | set(bypass_plan.signals.transition_layers)
+        per_layer = tuple(0.0 if i in keep_dense else round(target, 4) for i in range(self.num_layers))
+        return replace(bypass_plan.plan, layer_sparsity=per_layer)
 
     def _quality_flags(self, ratio: float, report) -> list[str]:
         flags = []

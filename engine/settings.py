@@ -51,6 +51,13 @@ class EngineSettings(BaseSettings):
         ),
     )
     max_new_tokens: int = Field(64, ge=1, le=8192, description="Default completion length.")
+    activation_sparsity: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description=(
+            "Activation-sparsity target of the linear inputs at effective sensitivity 1 (scaled by it per "
+            "request); 0 leaves the sparse kernel out. CPU only: thresholds are calibrated with the blocks."
+        ),
+    )
     fallback_on_anomaly: bool = Field(
         True, description="Run dense (and say why) on anomalous input or a prompt outside every domain."
     )

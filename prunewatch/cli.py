@@ -65,6 +65,8 @@ def run(
     metrics_host: str = typer.Option("127.0.0.1", help="Address of the /metrics endpoint."),
     model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
     sensitivity: float = typer.Option(0.5, help="Pruning sensitivity in [0, 1]; 0 runs dense."),
+    activation_sparsity: float = typer.Option(
+        0.0, help="Activation-sparsity target at sensitivity 1, in [0, 1) (CPU sparse kernel; 0: layer bypass only)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
@@ -87,6 +89,7 @@ def run(
         settings = CollectorSettings(
             db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
             model_dir=model, sensitivity=sensitivity, device=device, probes_path=probes or DEFAULT_PROBES_PATH,
+            activation_sparsity=activation_sparsity,
         )
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
