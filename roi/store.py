@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from sqlalchemy import inspect
+from sqlalchemy import Engine, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -34,8 +36,9 @@ def _check_sqlite_file(url: str) -> None:
             raise RoiStoreError(f"no result store at {parsed.database}; run `prunewatch run --db {url}` first")
 
 
-def check_store(url: str) -> None:
-    """Fail early with a RoiStoreError when the store is missing, unreachable or has no results table."""
+@contextmanager
+def _store_with_results(url: str) -> Iterator[Engine]:
+    """An Engine on a store that exists and has a results table; RoiStoreError otherwise."""
     _check_sqlite_file(url)
     try:
         engine = connect(url)
@@ -44,25 +47,20 @@ def check_store(url: str) -> None:
     try:
         if not inspect(engine).has_table("probe_results"):
             raise RoiStoreError("the store has no probe results table yet; run the collector (`prunewatch run`) first")
+        yield engine
     except SQLAlchemyError as exc:
         raise RoiStoreError(f"cannot read the store: {str(exc).splitlines()[0]}") from exc
     finally:
         engine.dispose()
 
 
+def check_store(url: str) -> None:
+    """Fail early with a RoiStoreError when the store is missing, unreachable or has no results table."""
+    with _store_with_results(url):
+        pass
+
+
 def load_results(url: str, window: Window, target: str | None = None) -> list[ProbeResult]:
     """Every probe result in the window (optionally one target's), oldest first."""
-    _check_sqlite_file(url)
-    try:
-        engine = connect(url)
-    except StoreUnavailableError as exc:
-        raise RoiStoreError(str(exc)) from exc
-    try:
-        if not inspect(engine).has_table("probe_results"):
-            raise RoiStoreError("the store has no probe results table yet; run the collector (`prunewatch run`) first")
-        with Session(engine) as session:
-            return ResultRepository(session).list(since=window.start, until=window.end, target=target)
-    except SQLAlchemyError as exc:
-        raise RoiStoreError(f"cannot read probe results: {str(exc).splitlines()[0]}") from exc
-    finally:
-        engine.dispose()
+    with _store_with_results(url) as engine, Session(engine) as session:
+        return ResultRepository(session).list(since=window.start, until=window.end, target=target)
