@@ -141,7 +141,7 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
         x_pruning_log_level: str | None = log_level_h,
         x_pruning_blacklist: str | None = blacklist_h,
     ) -> Response:
-        """Legacy completion. The prompt is rendered as one user turn of the model's chat template."""
+        """Text completion: the prompt is continued as given, without the chat template."""
         overrides = pruning(x_pruning_sensitivity, x_pruning_blacklist, x_pruning_log_level)
         return await respond(await service.prepare(body, overrides))
 
