@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 
 import yaml
 
+from alerts._parser import Matcher
 from alerts.ruleset import RuleFileError
 
 _MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*')
@@ -23,18 +24,14 @@ _MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]
 
 @dataclass(frozen=True)
 class LabelMatcher:
+    """An Alertmanager matcher: the PromQL label matcher applied to one alert's label set."""
+
     name: str
     op: str
     value: str
 
     def matches(self, labels: Mapping[str, str]) -> bool:
-        actual = labels.get(self.name, "")
-        if self.op == "=":
-            return actual == self.value
-        if self.op == "!=":
-            return actual != self.value
-        hit = re.fullmatch(self.value, actual) is not None
-        return hit if self.op == "=~" else not hit
+        return Matcher(self.name, self.op, self.value).matches(labels.get(self.name, ""))
 
 
 @dataclass(frozen=True)

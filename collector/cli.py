@@ -16,25 +16,11 @@ from pathlib import Path
 
 import typer
 
-from prunewatch.cli_errors import fail
+from collector.store.database import safe_url
+from prunewatch.cli_errors import fail, first_validation_error
 
 DB_ENV = "PRUNEWATCH_COLLECTOR_DB_URL"
 DEFAULT_DB = "sqlite:///prunewatch.db"
-
-
-def _first_error(exc: Exception) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "value"
-        return f"{where}: {first.get('msg')} (got {first.get('input')!r})"
-    return str(exc).splitlines()[0]
-
-
-def _safe(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def _logging(verbose: bool) -> None:
@@ -74,12 +60,12 @@ def collect_command(
         probe_set = load_probes(settings.probes_path)
         jobs = build_jobs(parsed, probe_set, calibration_dir=settings.calibration_dir, only=target or None)
     except ValidationError as exc:
-        raise fail(_first_error(exc))
+        raise fail(first_validation_error(exc))
     except (TargetConfigError, ProbeFileError, EngineError, StoreUnavailableError, ValueError) as exc:
         raise fail(str(exc))
     typer.echo(f"probing {len(jobs)} target(s): " + ", ".join(
         f"{j.target.name} every {j.interval_s:g}s ({len(j.probe_set.probes)} probes)" for j in jobs)
-        + f"; store {_safe(settings.db_url)}, buffer {settings.buffer_path}")
+        + f"; store {safe_url(settings.db_url)}, buffer {settings.buffer_path}")
 
     def on_round(summary) -> None:
         typer.echo(f"round {summary.round_id[:8]} {summary.target}: {summary.ok} ok, {summary.failed} failed")
@@ -110,7 +96,7 @@ def db_upgrade_command(
     except Exception as exc:  # alembic's own errors: an unknown revision, for one
         raise fail(f"cannot migrate to {revision!r}: {str(exc).splitlines()[0]}")
     engine.dispose()
-    typer.echo(f"store {_safe(db)}: schema {before or 'empty'} -> {after}"
+    typer.echo(f"store {safe_url(db)}: schema {before or 'empty'} -> {after}"
                + (" (already current)" if before == after else ""))
 
 
@@ -131,14 +117,14 @@ def db_prune_command(
     try:
         engine = connect(db)
         if not is_current(engine):
-            raise fail(f"store {_safe(db)} is not migrated to the current schema; run `prunewatch db upgrade`")
+            raise fail(f"store {safe_url(db)} is not migrated to the current schema; run `prunewatch db upgrade`")
         report = prune_older_than(engine, age, dry_run=dry_run)
     except StoreUnavailableError as exc:
         raise fail(str(exc))
     engine.dispose()
     verb = "would delete" if report.dry_run else "deleted"
     typer.echo(f"{verb} {report.results_deleted} result(s) and {report.rounds_deleted} round(s) older than "
-               f"{report.cutoff.isoformat(timespec='seconds')} from {_safe(db)}")
+               f"{report.cutoff.isoformat(timespec='seconds')} from {safe_url(db)}")
 
 
 def _grid(text: str) -> tuple[float, ...]:

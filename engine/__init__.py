@@ -8,7 +8,7 @@ from engine.errors import (
     ModelLoadError,
     UnsupportedArchitectureError,
 )
-from engine.pruning_engine import PruningEngine, TokenDelta, texts_digest
+from engine.pruning_engine import PruningEngine, TokenDelta
 from engine.settings import EngineSettings, LogLevel
 from engine.stats import RATIO_UNIT, GenerationResult, QualityReport, RequestStats
 
@@ -27,5 +27,4 @@ __all__ = [
     "RequestStats",
     "TokenDelta",
     "UnsupportedArchitectureError",
-    "texts_digest",
 ]

@@ -8,7 +8,6 @@ returns plain `RequestStats`; it never writes to a database or a metrics registr
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
@@ -391,13 +390,3 @@ class PruningEngine:
                     "request %s layer=%d influence=%.5f threshold=%.5f decision=%s",
                     stats.request_id, d.layer, d.influence, d.threshold, d.decision,
                 )
-
-
-def texts_digest(texts_by_domain: Mapping[str, Sequence[str]]) -> str:
-    """A stable digest of calibration texts, so a cached calibration is reused only for the same texts."""
-    digest = hashlib.sha256()
-    for domain in sorted(texts_by_domain):
-        digest.update(domain.encode())
-        for text in texts_by_domain[domain]:
-            digest.update(text.encode())
-    return digest.hexdigest()

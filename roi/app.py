@@ -27,7 +27,8 @@ from roi.errors import RoiError
 from roi.formatting import number, pct
 from roi.measured import PROBE_MODEL_CAVEAT, MeasuredSummary, Window, scatter_points, select, summarize, trend
 from roi.settings import WINDOW_CHOICES_DAYS, RoiAppSettings
-from roi.store import load_results, safe_url
+from collector.store import safe_url
+from roi.store import load_results
 from roi.tables import cost_rows, headlines, input_rows, to_csv
 
 ALL_TARGETS = "All targets"

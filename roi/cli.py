@@ -26,7 +26,8 @@ def roi_command(
     """Open the ROI calculator (Streamlit) on the store's measurements; PRUNEWATCH_ROI_PASSWORD locks it."""
     from roi.errors import RoiStoreError
     from roi.settings import DB_URL_ENV, DEFAULT_DAYS_ENV, PASSWORD_ENV, WINDOW_CHOICES_DAYS
-    from roi.store import check_store, safe_url
+    from collector.store import safe_url
+    from roi.store import check_store
 
     if days not in WINDOW_CHOICES_DAYS:
         raise fail(f"--days must be one of {', '.join(map(str, WINDOW_CHOICES_DAYS))}, got {days}")

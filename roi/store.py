@@ -17,14 +17,6 @@ from roi.errors import RoiStoreError
 from roi.measured import Window
 
 
-def safe_url(url: str) -> str:
-    """The URL with its password masked, for display."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return "<unparseable URL>"
-
-
 def _check_sqlite_file(url: str) -> None:
     """Refuse a SQLite path that does not exist: connecting would silently create an empty store."""
     try:

@@ -11,7 +11,8 @@ class StoreUnavailableError(RuntimeError):
     """The database URL is invalid or the server cannot be reached."""
 
 
-def _safe_url(url: str) -> str:
+def safe_url(url: str) -> str:
+    """The URL with its password masked, for messages and logs."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:
@@ -35,7 +36,7 @@ def connect(url: str, *, check: bool = True) -> Engine:
             connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
         engine = create_engine(url, pool_pre_ping=True, future=True, connect_args=connect_args)
     except (ArgumentError, ImportError, SQLAlchemyError) as exc:
-        raise StoreUnavailableError(f"invalid database URL {_safe_url(url)}: {exc}".splitlines()[0]) from exc
+        raise StoreUnavailableError(f"invalid database URL {safe_url(url)}: {exc}".splitlines()[0]) from exc
     if engine.dialect.name == "sqlite":
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record) -> None:  # durable and concurrent enough
@@ -50,7 +51,7 @@ def connect(url: str, *, check: bool = True) -> Engine:
         except SQLAlchemyError as exc:
             engine.dispose()
             reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-            raise StoreUnavailableError(f"cannot connect to database {_safe_url(url)}: {reason}") from exc
+            raise StoreUnavailableError(f"cannot connect to database {safe_url(url)}: {reason}") from exc
     return engine
 
 
