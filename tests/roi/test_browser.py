@@ -27,8 +27,8 @@ RENDERED = """
 const charts = [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')];
 return document.querySelectorAll('[data-testid="stSkeleton"]').length === 0
     && charts.length >= 4 && charts.every(c => c.querySelectorAll('svg.marks [class*="mark-"]').length > 0)
-    && document.querySelectorAll('[data-testid="stDataFrame"] td').length > 0;
-"""
+    && [...document.querySelectorAll('[data-testid="stDataFrame"] td')].some(td => td.innerText === 'Request volume');
+"""  # the inputs table renders after the cost table: wait for the inputs table itself
 
 
 @pytest.mark.integration
