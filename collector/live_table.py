@@ -13,8 +13,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def round_table(summary: RoundSummary, round_number: int) -> Table:
     """Per domain: mean ratio (measured), latency breakdown, tokens/s, agreement, failures."""
-    table = Table(title=f"prunewatch · round {round_number} · target {summary.target}", title_justify="left")
-    for column in ("domain", "probes", "ratio (measured)", "pre ms", "infer ms", "post ms", "TTFT ms", "tok/s",
+    table = Table(title=f"prunewatch · round {round_number} · target {summary.target}", title_justify="left",
+                  caption="all figures measured on this round's probes (means per domain); ratio in linear-layer FLOPs",
+                  caption_justify="left")
+    for column in ("domain", "probes", "ratio", "pre ms", "infer ms", "post ms", "TTFT ms", "tok/s",
                    "agreement", "failed"):
         table.add_column(column, justify="left" if column == "domain" else "right")
     by_domain: dict[str, list] = {}
