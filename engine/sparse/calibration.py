@@ -164,7 +164,8 @@ def calibrate_sparsity(
     if not batches:
         raise ValueError("sparsity calibration needs at least one non-empty batch of token ids")
     targets = find_sparse_targets(instrumented, projections)
-    scales = {key: score_scale(module, score) for key, (_, module) in targets.items()}
+    scales = {key: score_scale(module, score).to(module.weight.device)  # multiplies inputs on the model's device
+              for key, (_, module) in targets.items()}
     per_batch = max(1, -(-max_rows_per_layer // len(batches)))
     generator = torch.Generator().manual_seed(seed)
     collected: dict[str, list[torch.Tensor]] = {key: [] for key in targets}

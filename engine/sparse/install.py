@@ -14,7 +14,7 @@ from torch import nn
 from engine.errors import InvalidRequestError
 from engine.execution import InstrumentedModel
 from engine.sparse.calibration import SparsityCalibration
-from engine.sparse.kernel import SparseKernelUnavailableError, build
+from engine.sparse.kernel import SparseKernelUnavailableError, device_kernel
 from engine.sparse.module import SparseLinear, SparsityOptions
 from engine.sparse.targets import find_sparse_targets, score_scale
 
@@ -35,15 +35,19 @@ class SparsityInstallation:
 
     def uninstall(self) -> None:
         for layer in self.layers.values():
-            _replace(self.instrumented, layer.layer, layer.name, layer.restore())
+            _replace(self.instrumented, layer.layer, layer, layer.restore())
         self.layers = {}
 
 
-def _replace(instrumented: InstrumentedModel, layer: int, name: str, new: nn.Module) -> None:
+def _replace(instrumented: InstrumentedModel, layer: int, old: nn.Module, new: nn.Module) -> None:
+    """Put `new` where `old` sits inside the block, at whatever depth other wrappers left it."""
     block = instrumented.blocks[layer].block
-    parent_name, _, child = name.rpartition(".")
-    parent = block.get_submodule(parent_name) if parent_name else block
-    setattr(parent, child, new)
+    for parent in block.modules():
+        for child, module in parent.named_children():
+            if module is old:
+                setattr(parent, child, new)
+                return
+    raise LookupError(f"{type(old).__name__} is not inside block {layer}")
 
 
 def install_sparsity(
@@ -54,16 +58,16 @@ def install_sparsity(
 ) -> SparsityInstallation:
     """Wrap every target linear with calibrated thresholds; typed errors, never a silent dense run.
 
-    Raises SparseKernelUnavailableError when the kernel cannot be built or the model is not on the
-    CPU, CalibrationMismatchError when the calibration is for another model or lacks a layer,
-    InvalidRequestError when sparsity is already installed.
+    Raises SparseKernelUnavailableError when the model's device has no kernel (CPU: it cannot be
+    compiled here; CUDA: no triton; any other device), CalibrationMismatchError when the calibration
+    is for another model or lacks a layer, InvalidRequestError when sparsity is already installed.
     """
     options = options or SparsityOptions()
     device = next(instrumented.model.parameters()).device
-    if device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise SparseKernelUnavailableError(
-            f"activation sparsity has a compiled kernel for the CPU only; the model is on {device.type}")
-    build()  # fail here, at install time, rather than on the first sparse request
+            f"activation sparsity has kernels for CUDA (Triton) and the CPU only; the model is on {device.type}")
+    device_kernel(device)  # fail here, at install time, rather than on the first sparse request
     if model_fingerprint is not None:
         calibration.check_model(model_fingerprint)
     if any(isinstance(m, SparseLinear) for m in instrumented.model.modules()):
@@ -74,6 +78,6 @@ def install_sparsity(
     for key, (layer, linear) in targets.items():
         name = key.split(":", 1)[1]
         wrapper = SparseLinear(linear, layer, name, curves[key], score_scale(linear, calibration.score), options)
-        _replace(instrumented, layer, name, wrapper)
+        _replace(instrumented, layer, linear, wrapper)
         layers[key] = wrapper
     return SparsityInstallation(instrumented=instrumented, layers=layers, calibration=calibration, options=options)

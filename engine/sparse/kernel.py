@@ -1,17 +1,21 @@
-"""Build, load and call the compiled sparse linear kernel (a torch C++ extension).
+"""Build, load and call the sparse linear kernels: a torch C++ extension for CPU tensors, a Triton
+kernel (engine.sparse.triton_kernel) for CUDA tensors, both with one signature and one contract.
 
-The kernel is compiled once per machine kind (torch version x CPU instruction set) into a cache
-folder, by `python -m engine.sparse.build` at install time or on first use. When it cannot be
-built the engine raises `SparseKernelUnavailableError`: a request that asked for activation
-sparsity is never silently run dense and reported as sparse.
+The CPU kernel is compiled once per machine kind (torch version x CPU instruction set) into a cache
+folder, by `python -m engine.sparse.build` at install time or on first use; the Triton kernel is
+compiled by Triton on first use. When no kernel can run on a device the engine raises
+`SparseKernelUnavailableError`: a request that asked for activation sparsity is never silently run
+dense and reported as sparse.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,9 +33,12 @@ CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 _LOCK = threading.Lock()
 _MODULE: ModuleType | None = None
 
+RawKernel = Callable[..., tuple[torch.Tensor, int, int]]
+"""(x, weight_t, bias, scale, threshold, keep, threads) -> (output, active channels, kept entries)."""
+
 
 class SparseKernelUnavailableError(EngineError):
-    """The compiled sparse kernel cannot be built or loaded here (no compiler, unsupported device)."""
+    """No sparse kernel can run here (no compiler, no triton for CUDA tensors, unsupported device)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,33 @@ def build(verbose: bool = False) -> ModuleType:
         return module
 
 
+def _triton_kernel() -> RawKernel:
+    """The Triton kernel, imported on first use so that the package works without triton."""
+    try:
+        triton_kernel = importlib.import_module("engine.sparse.triton_kernel")
+    except ImportError as exc:
+        raise SparseKernelUnavailableError(
+            f"activation sparsity on CUDA needs triton, which cannot be imported ({exc}); "
+            "install it with `pip install 'triton>=3.2'` (it ships with torch's CUDA wheels on Linux)") from exc
+    return triton_kernel.sparse_linear
+
+
+def device_kernel(device: torch.device | str) -> RawKernel:
+    """The raw kernel for tensors on `device`: the compiled CPU kernel, or the Triton one for CUDA.
+
+    Raises SparseKernelUnavailableError when neither can run there, so the failure is seen where a
+    caller resolves the kernel (at install time) rather than at the first sparse request.
+    """
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return build().sparse_linear
+    if kind == "cuda":
+        return _triton_kernel()
+    raise SparseKernelUnavailableError(
+        f"no sparse kernel for {kind} tensors: there are kernels for CUDA (Triton) and the CPU only; "
+        "move the model to one of them")
+
+
 def sparse_linear(
     x: torch.Tensor,
     weight_t: torch.Tensor,
@@ -106,11 +140,8 @@ def sparse_linear(
     score factor (ones for magnitude thresholds, column norms of W for WINA). With keep < 0 an
     entry survives when |x| * scale > threshold (per row; the weights read are the union over
     rows). With keep >= 0 the rows share the `keep` channels of largest summed score. threads: at
-    most this many of torch's intra-op threads (0: all of them; 1: the calling thread only).
+    most this many of torch's intra-op threads (0: all of them; 1: the calling thread only; unused
+    on CUDA). CPU tensors run the compiled kernel, CUDA tensors the Triton kernel.
     """
-    if x.device.type != "cpu":
-        raise SparseKernelUnavailableError(
-            f"the sparse kernel runs on the CPU only; got a tensor on {x.device.type}")
-    module = build()
-    output, active, kept = module.sparse_linear(x, weight_t, bias, scale, float(threshold), int(keep), int(threads))
+    output, active, kept = device_kernel(x.device)(x, weight_t, bias, scale, float(threshold), int(keep), int(threads))
     return KernelOutput(output=output, active_channels=int(active), kept_entries=int(kept))

@@ -2,12 +2,13 @@
 
 It wraps an existing nn.Linear (or GPT-2 Conv1D) without copying any model code. Under an
 execution plan that asks for activation sparsity, a call with few rows (decode steps) goes to the
-compiled kernel, which reads only the weight rows of active input channels and reports how many
-it read; the call counts 2 x active x out x rows FLOPs in the ledger, and the wrapped layer's own
-counting hook does not fire because the layer is not called. A call with many rows (a long
-prefill) is compute-bound, where skipping rows of a weight matrix saves no time: it applies the
-same mask and runs the dense layer, whose hook counts it as dense work. Without a plan, or with a
-target of 0, the dense layer runs untouched and is counted as dense.
+sparse kernel of its device (compiled C++ on the CPU, Triton on CUDA), which reads only the weight
+rows of active input channels and reports how many it read; the call counts 2 x active x out x
+rows FLOPs in the ledger, and the wrapped layer's own counting hook does not fire because the
+layer is not called. A call with many rows (a long prefill) is compute-bound, where skipping rows
+of a weight matrix saves no time: it applies the same mask and runs the dense layer, whose hook
+counts it as dense work. Without a plan, or with a target of 0, the dense layer runs untouched and
+is counted as dense.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.execution import (
     record_linear_work,
 )
 from engine.sparse.calibration import LayerThresholds
-from engine.sparse.kernel import build
+from engine.sparse.kernel import device_kernel
 from engine.sparse.targets import DEFAULT_PROJECTIONS, in_out, is_conv1d
 
 
@@ -81,8 +82,9 @@ class SparseLinear(nn.Module):
             if options.share_weight_storage:
                 linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
         self.register_buffer("weight_t", weight_t, persistent=False)
-        self.register_buffer("scale", scale.to(torch.float32).contiguous(), persistent=False)
-        self._kernel = build().sparse_linear  # resolved once: a decode step makes ~7 calls per block
+        self.register_buffer("scale", scale.to(weight.device, torch.float32).contiguous(), persistent=False)
+        self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
+        self._kernel_device = weight.device.type  # a model moved after installing resolves per call
         self._thresholds_by_target: dict[float, float] = {}
 
     def __getattr__(self, name: str):
@@ -122,9 +124,10 @@ class SparseLinear(nn.Module):
             return self._masked_dense(x, ledger, threshold, keep, dense_flops)
         buffers = self._buffers  # direct: attribute lookup through nn.Module costs more than the kernel call
         weight_t = buffers["weight_t"]
-        output, active, kept = self._kernel(x.reshape(rows, self.in_features), weight_t,
-                                            self._modules["linear"].bias, buffers["scale"], threshold, keep,
-                                            self.kernel_threads)
+        kernel = self._kernel if x.device.type == self._kernel_device else device_kernel(x.device)
+        output, active, kept = kernel(x.reshape(rows, self.in_features), weight_t,
+                                      self._modules["linear"].bias, buffers["scale"], threshold, keep,
+                                      self.kernel_threads)
         executed = 2 * active * self.out_features * rows
         record_linear_work(executed, active * self.out_features * weight_t.element_size())
         ledger.sparse_executed_flops += executed
