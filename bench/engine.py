@@ -12,6 +12,7 @@ dense model's greedy continuation.
 
     python -m bench.engine            # full run (about 5-10 minutes on 2 idle cores)
     python -m bench.engine --quick    # smoke test in well under a minute
+    python -m bench.engine --device cuda --skip-quality   # speed on a GPU: bf16 weights, Triton kernel
 
 How each number is obtained is written next to it in the JSON (`method`).
 """
@@ -174,6 +175,16 @@ def build_speed_model(shape: SpeedModelConfig, seed: int) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}  # CUDA: the dtype GPU inference serves in
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued CUDA work, so a wall-clock span covers the GPU time too; nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass(frozen=True)
 class _Timed:
     wall_s: float  # wall clock
@@ -187,11 +198,13 @@ def _decode(model: torch.nn.Module, cache, first: torch.Tensor, start: int, step
     ledger = ExecutionLedger()
     ids = first  # (B, 1)
     with torch.no_grad(), executing(plan, ledger):
+        _synchronize(ids.device)
         wall, cpu = time.perf_counter(), time.thread_time()
         for step in range(steps):
-            positions = torch.full((ids.shape[0], 1), start + step)
+            positions = torch.full((ids.shape[0], 1), start + step, device=ids.device)
             out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
             ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        _synchronize(ids.device)  # queued GPU work belongs to the steps that queued it
         return _Timed(time.perf_counter() - wall, time.thread_time() - cpu, ledger)
 
 
@@ -253,13 +266,15 @@ def _speed_plans(config: EngineBenchConfig) -> list[tuple[int, str, float]]:
     return plans
 
 
-def run_speed(config: EngineBenchConfig) -> tuple[dict, list[SpeedRow], list[KernelBaselineRow]]:
-    """Build, calibrate and time the speed model for every configuration."""
+def run_speed(config: EngineBenchConfig, device: str = "cpu") -> tuple[dict, list[SpeedRow], list[KernelBaselineRow]]:
+    """Build, calibrate and time the speed model for every configuration on `device` (cpu or cuda)."""
     started = time.perf_counter()
-    model = build_speed_model(config.speed_model, config.seed)
+    model = build_speed_model(config.speed_model, config.seed).to(device=device, dtype=DTYPES[device])
     instrumented = instrument(model)
     params = sum(p.numel() for p in model.parameters())
-    logger.info("speed model: %.3f B params, fp32, built in %.1f s", params / 1e9, time.perf_counter() - started)
+    dtype_name = _DTYPE_NAMES[DTYPES[device]]
+    logger.info("speed model: %.3f B params, %s on %s, built in %.1f s", params / 1e9, dtype_name, device,
+                time.perf_counter() - started)
     g = torch.Generator().manual_seed(config.seed)
     vocab = config.speed_model.vocab_size
     corpus = [torch.randint(0, vocab, (1, 32), generator=g) for _ in range(2)]
@@ -275,6 +290,7 @@ def run_speed(config: EngineBenchConfig) -> tuple[dict, list[SpeedRow], list[Ker
     for batch, policy, target in _speed_plans(config):
         if batch not in prefilled:
             prompt = torch.randint(0, vocab, (batch, config.prompt_tokens), generator=torch.Generator().manual_seed(batch))
+            prompt = prompt.to(device)
             prefilled[batch] = _prefill(model, prompt)
         plans = {"dense": ExecutionPlan(),
                  "sparse": ExecutionPlan(activation_sparsity=target, sparsity_policy=policy),
@@ -300,7 +316,7 @@ def run_speed(config: EngineBenchConfig) -> tuple[dict, list[SpeedRow], list[Ker
             fraction_of_bound_vs_kernel=round(sparse_rate / kernel_rate / bound, 4),
             rounds=config.rounds, decode_steps=config.decode_steps,
             speedup_cpu_time=(round(statistics.median(cpu_rates["sparse"]) / statistics.median(cpu_rates["dense"]), 4)
-                              if torch.get_num_threads() == 1 else None),
+                              if torch.get_num_threads() == 1 and device == "cpu" else None),
             round_tokens_per_s={k: [round(v, 3) for v in vals] for k, vals in rates.items()}))
         logger.info("batch %d %s target %.2f: s=%.3f f=%.3f dense %.2f tok/s sparse %.2f tok/s kernel(all) %.2f "
                     "tok/s speedup %.2fx (%.2fx vs kernel) bound %.2fx load %.1f", batch, policy, target, s, f,
@@ -313,7 +329,7 @@ def run_speed(config: EngineBenchConfig) -> tuple[dict, list[SpeedRow], list[Ker
                  for b in kernel_rates]
     element = next(model.parameters()).element_size()
     summary = {
-        "architecture": "llama", "weights": "random (seeded), fp32", "params": params,
+        "architecture": "llama", "weights": f"random (seeded), {dtype_name}", "params": params,
         "weight_bytes_read_per_decode_step": params * element
         - config.speed_model.vocab_size * config.speed_model.hidden_size * element,  # all but the embedding table
         "sparse_layer_weight_bytes": installation.weight_bytes,
@@ -483,7 +499,7 @@ def _shared_quality(model, held_ids: Sequence[torch.Tensor], config: EngineBench
 # -- report -------------------------------------------------------------------------------------
 
 
-def _targets(rows: list[SpeedRow], quality: list[QualityRow]) -> list[dict]:
+def _targets(rows: list[SpeedRow], quality: list[QualityRow], device: str = "cpu") -> list[dict]:
     """The issue's benchmark targets, each with what was reached against dense (`met`) and against
     the kernel with every channel active (`met_by_skipping_alone`), which leaves out the kernel's own
     advantage over torch's dense GEMM and keeps only what skipping weights bought."""
@@ -491,7 +507,7 @@ def _targets(rows: list[SpeedRow], quality: list[QualityRow]) -> list[dict]:
     b1 = [r for r in rows if r.batch == 1 and r.sparsity >= 0.45]
     if b1:
         best = max(b1, key=lambda r: r.fraction_of_bound)
-        checks.append({"target": "CPU batch 1, s >= 0.45: speedup >= 90% of 1/(1 - s f)",
+        checks.append({"target": f"{device.upper()} batch 1, s >= 0.45: speedup >= 90% of 1/(1 - s f)",
                        "reached": best.fraction_of_bound, "met": best.fraction_of_bound >= 0.9,
                        "reached_vs_kernel_all_channels": best.fraction_of_bound_vs_kernel,
                        "met_by_skipping_alone": best.fraction_of_bound_vs_kernel >= 0.9,
@@ -501,7 +517,7 @@ def _targets(rows: list[SpeedRow], quality: list[QualityRow]) -> list[dict]:
         b4 = [r for r in rows if r.batch == 4 and r.policy == policy]
         if b4:
             best = max(b4, key=lambda r: r.speedup)
-            checks.append({"target": f"CPU batch 4, {policy} policy: speedup >= 1.3x",
+            checks.append({"target": f"{device.upper()} batch 4, {policy} policy: speedup >= 1.3x",
                            "reached": best.speedup, "met": best.speedup >= 1.3,
                            "reached_vs_kernel_all_channels": best.speedup_vs_kernel,
                            "met_by_skipping_alone": best.speedup_vs_kernel >= 1.3,
@@ -561,8 +577,10 @@ def write_plot(result: dict, path: Path) -> None:
     speed.set_ylabel("decode tokens/s ratio (measured)")
     threads = result["machine"]["torch_threads"]
     start, end = result["machine"]["load_average_start"][0], result["machine"]["load_average_end"][0]
-    speed.set_title(f"Speed: {result['speed']['model']['params'] / 1e9:.2f} B-param Llama, random fp32 weights, "
-                    f"{threads} thread{'s' if threads != 1 else ''}, host load {start:.1f} -> {end:.1f}", fontsize=10)
+    weights = result["speed"]["model"]["weights"].rsplit(", ", 1)[-1]  # fp32 on the CPU, bf16 on CUDA
+    where = result["machine"].get("gpu") or f"{threads} thread{'s' if threads != 1 else ''}"
+    speed.set_title(f"Speed: {result['speed']['model']['params'] / 1e9:.2f} B-param Llama, random {weights} weights, "
+                    f"{where}, host load {start:.1f} -> {end:.1f}", fontsize=10)
     speed.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
     speed.grid(alpha=0.3)
     quality = result["quality"]["rows"]
@@ -621,17 +639,22 @@ METHOD = {
 }
 
 
-def run(config: EngineBenchConfig, out: Path, plot: Path | None, skip_quality: bool = False) -> dict:
-    """Run both parts, write the JSON (and plot), return the result."""
+def run(config: EngineBenchConfig, out: Path, plot: Path | None, skip_quality: bool = False,
+        device: str = "cpu") -> dict:
+    """Run both parts, write the JSON (and plot), return the result. The speed part runs on `device`;
+    the quality part always on the CPU, in fp32, since its figures do not depend on where it ran."""
     machine = _machine()
+    if device == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name()
     started = time.perf_counter()
-    model, rows, baselines = run_speed(config)
+    model, rows, baselines = run_speed(config, device)
     quality_summary, quality = ({}, []) if skip_quality else run_quality(config)
     machine["load_average_end"] = list(os.getloadavg())
     result = {
-        "device": "cpu",
+        "device": device,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python -m bench.engine" + (" --quick" if config == QUICK else ""),
+        "command": "python -m bench.engine" + (" --quick" if config == QUICK else "")
+        + (f" --device {device}" if device != "cpu" else ""),
         "quick": config == QUICK,
         "machine": machine,
         "duration_s": round(time.perf_counter() - started, 1),
@@ -639,7 +662,7 @@ def run(config: EngineBenchConfig, out: Path, plot: Path | None, skip_quality: b
         "speed": {"model": model, "rows": [asdict(r) for r in rows],
                   "kernel_baseline": [asdict(b) for b in baselines]},
         "quality": {"model": quality_summary, "rows": [asdict(q) for q in quality]},
-        "targets": _targets(rows, quality),
+        "targets": _targets(rows, quality, device),
         "config": json.loads(config.model_dump_json()),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -676,8 +699,10 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few steps: a smoke test")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine-cpu.json; "
-                        "bench/results/tmp/engine-cpu-quick.json with --quick)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the speed part runs: cpu (fp32, compiled kernel) or cuda (bf16, Triton kernel)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine-DEVICE.json; "
+                        "bench/results/tmp/engine-DEVICE-quick.json with --quick)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--skip-quality", action="store_true", help="speed only (no probe model needed)")
     parser.add_argument("--probe-model", type=Path, default=None, help="probe model folder for the quality part")
@@ -706,10 +731,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: probe model not found at {config.probe_model_dir}; run `prunewatch build-model` "
                          "or pass --skip-quality\n")
         return 2
-    out = args.out or (RESULTS_DIR / "tmp" / "engine-cpu-quick.json" if args.quick else RESULTS_DIR / "engine-cpu.json")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.stderr.write(f"error: --device cuda, but torch {torch.__version__} sees no CUDA GPU\n")
+        return 2
+    name = f"engine-{args.device}"
+    out = args.out or (RESULTS_DIR / "tmp" / f"{name}-quick.json" if args.quick else RESULTS_DIR / f"{name}.json")
     plot = None if args.no_plot else out.with_suffix(".png")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    result = run(config, out, plot, skip_quality=args.skip_quality)
+    result = run(config, out, plot, skip_quality=args.skip_quality, device=args.device)
     if args.quick:
         sys.stdout.write("quick smoke run: shapes too small to be memory-bound; these figures mean nothing\n")
     sys.stdout.write(format_table(result) + "\n")
