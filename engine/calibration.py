@@ -1,8 +1,10 @@
-"""Calibration: how much each decoder block changes the residual stream, per domain.
+"""Calibration: how much each decoder block and attention head changes the residual stream, per domain.
 
 Block influence = mean over tokens of 1 - cos(h_in, h_out) for the block's input and output
 hidden states, measured on the dense model. Blocks with low influence are the ones a request may
-bypass. A domain centroid (mean unit-normalised token embedding of the domain's texts) lets the
+bypass. Head influence = mean over tokens of ||W_o[:, head] . a_head|| / ||h_in||: the size of
+one head's write into the residual stream relative to the stream it writes into (engine.heads
+gates the smallest). A domain centroid (mean unit-normalised token embedding of the domain's texts) lets the
 engine match a prompt to the domains it was calibrated on before any block runs.
 
 A calibration is an artifact tied to one model's weights fingerprint; the engine refuses one made
@@ -23,8 +25,9 @@ import torch
 
 from engine.errors import CalibrationMismatchError
 from engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
+from engine.heads import HeadGating
 
-CALIBRATION_FORMAT_VERSION = 1
+CALIBRATION_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class DomainProfile:
     centroid: list[float]  # unit vector: mean normalised input embedding of the domain's tokens
     texts: int  # how many texts were measured
     tokens: int  # how many tokens were measured
+    head_influence: list[list[float]] = field(default_factory=list)  # per block, per query head; [] without head gating
 
 
 @dataclass(frozen=True)
@@ -84,10 +88,28 @@ def mean_token_direction(embeddings: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(unit.mean(dim=0), dim=0)  # (C,)
 
 
+def _head_writes(x: torch.Tensor, projection, heads: int, head_dim: int) -> torch.Tensor:
+    """Norm of each head's write into the residual stream: (B, T, H) from o_proj's input (B, T, H*d)."""
+    linear = getattr(projection.inner, "linear", projection.inner)
+    weight = linear.weight.float()
+    per_head = x.float().reshape(*x.shape[:-1], heads, head_dim)  # (B, T, H, d)
+    if type(linear).__name__ == "Conv1D":  # (in, out)
+        w = weight.reshape(heads, head_dim, -1)  # (H, d, out)
+        writes = torch.einsum("bthd,hdo->btho", per_head, w)
+    else:  # (out, in)
+        w = weight.reshape(weight.shape[0], heads, head_dim)  # (out, H, d)
+        writes = torch.einsum("bthd,ohd->btho", per_head, w)
+    return torch.linalg.vector_norm(writes, dim=-1)
+
+
 @torch.no_grad()
-def measure_block_influence(instrumented: InstrumentedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sum over tokens of 1 - cos(in, out) per block for one dense forward; returns (sums, tokens)."""
+def measure_block_influence(instrumented: InstrumentedModel, input_ids: torch.Tensor,
+                            heads: HeadGating | None = None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """One dense forward: per-block sums over tokens of 1 - cos(in, out), the token count, and
+    (with `heads`) per-block, per-head sums over tokens of the head's write / ||h_in||."""
     sums = torch.zeros(instrumented.num_layers, dtype=torch.float64)
+    head_sums = None if heads is None else torch.zeros(instrumented.num_layers, heads.num_heads, dtype=torch.float64)
+    inputs_norm: dict[int, torch.Tensor] = {}
     handles = []
 
     def make_hook(index: int):
@@ -99,15 +121,35 @@ def measure_block_influence(instrumented: InstrumentedModel, input_ids: torch.Te
 
         return hook
 
+    def make_input_hook(index: int):
+        def hook(module, args, kwargs):
+            h_in = args[0] if args else kwargs["hidden_states"]
+            inputs_norm[index] = torch.linalg.vector_norm(h_in.float(), dim=-1).clamp_min(1e-6)  # (B, T)
+
+        return hook
+
+    def make_head_hook(index: int, projection):
+        def hook(module, args):
+            writes = _head_writes(args[0], projection, heads.shape.heads, heads.shape.head_dim)  # (B, T, H)
+            relative = writes / inputs_norm[index].unsqueeze(-1)
+            head_sums[index] += relative.reshape(-1, heads.shape.heads).sum(dim=0).double().cpu()
+
+        return hook
+
     for block in instrumented.blocks:
         handles.append(block.register_forward_hook(make_hook(block.index), with_kwargs=True))
+        if heads is not None:
+            handles.append(block.register_forward_pre_hook(make_input_hook(block.index), with_kwargs=True))
+            for projection in heads.projections[block.index]:
+                if projection.role == "input":
+                    handles.append(projection.register_forward_pre_hook(make_head_hook(block.index, projection)))
     try:
         with executing(ExecutionPlan(), ExecutionLedger()):
             instrumented.model(input_ids=input_ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    return sums, int(input_ids.numel())
+    return sums, int(input_ids.numel()), head_sums
 
 
 def calibrate(
@@ -120,8 +162,10 @@ def calibrate(
     corpus_digest: str,
     max_tokens_per_text: int = 256,
     progress: Callable[[int, int], None] | None = None,
+    heads: HeadGating | None = None,
 ) -> Calibration:
-    """Measure every domain's block influence and centroid on the dense model."""
+    """Measure every domain's block influence, centroid and (with `heads`) head influence on the
+    dense model."""
     if not texts_by_domain or not any(texts_by_domain.values()):
         raise ValueError("calibration needs at least one text in at least one domain")
     model = instrumented.model
@@ -132,6 +176,7 @@ def calibrate(
     domains: dict[str, DomainProfile] = {}
     for domain, texts in sorted(texts_by_domain.items()):
         sums = torch.zeros(instrumented.num_layers, dtype=torch.float64)
+        head_sums = None if heads is None else torch.zeros(instrumented.num_layers, heads.num_heads, dtype=torch.float64)
         tokens = 0
         directions = []
         for text in texts:
@@ -139,8 +184,10 @@ def calibrate(
             ids = ids.to(device)
             if ids.numel() == 0:
                 continue
-            block_sums, n = measure_block_influence(instrumented, ids)
+            block_sums, n, block_head_sums = measure_block_influence(instrumented, ids, heads)
             sums += block_sums
+            if head_sums is not None:
+                head_sums += block_head_sums
             tokens += n
             with torch.no_grad():
                 directions.append(mean_token_direction(embed(ids)[0]))
@@ -155,6 +202,8 @@ def calibrate(
             centroid=[round(float(v), 6) for v in centroid.cpu()],
             texts=len(directions),
             tokens=tokens,
+            head_influence=[] if head_sums is None else [
+                [float(f"{float(v):.6g}") for v in row] for row in (head_sums / tokens)],
         )
     return Calibration(
         model_name=model_name,

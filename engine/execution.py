@@ -43,6 +43,8 @@ class ExecutionPlan:
     # "row": per-row calibrated thresholds; a batch reads the union of its rows' active channels.
     # "shared": at decode steps the batch shares the top-(1 - s) channels of its summed scores.
     sparsity_policy: str = "row"
+    # Attention heads not computed, per decoder block (engine.heads); empty: every head runs.
+    gated_heads: tuple[frozenset[int], ...] = ()
 
     def __post_init__(self) -> None:
         targets = (self.activation_sparsity, *self.layer_sparsity)
@@ -54,7 +56,17 @@ class ExecutionPlan:
     @property
     def skips_work(self) -> bool:
         """Whether this plan can differ from the dense model (a bypass, or any sparsity target)."""
-        return bool(self.bypass) or self.activation_sparsity > 0 or any(t > 0 for t in self.layer_sparsity)
+        return (bool(self.bypass) or self.activation_sparsity > 0 or any(t > 0 for t in self.layer_sparsity)
+                or self.heads_gated > 0)
+
+    def heads_gated_in(self, layer: int) -> frozenset[int]:
+        """Query heads of one decoder block this plan does not compute."""
+        return self.gated_heads[layer] if layer < len(self.gated_heads) else frozenset()
+
+    @property
+    def heads_gated(self) -> int:
+        """How many (block, head) pairs are gated in blocks that run (a bypassed block gates nothing)."""
+        return sum(len(g) for i, g in enumerate(self.gated_heads) if i not in self.bypass)
 
     def sparsity_for(self, layer: int) -> float:
         """The activation sparsity target of one decoder block under this plan."""

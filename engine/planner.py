@@ -12,6 +12,10 @@ The rule (fixed per request, so the KV cache stays consistent):
 4. Walk eligible blocks from least to most influential and bypass them while the bypassed
    influence stays within effective sensitivity x budget x total influence. Sensitivity 0 bypasses
    nothing.
+5. Head gating (when the calibration has head influence): in the blocks still marked KEEP, walk
+   the attention heads from the smallest calibrated write into the residual stream upwards and
+   gate them while the gated influence stays within effective sensitivity x head budget x the
+   total head influence. Bypassed, protected, transition and blacklisted blocks gate no head.
 
 A bypassed block never runs for any token of the request, so its KV cache is never written nor
 read: prefill and every decode step see the same stack of blocks.
@@ -40,6 +44,7 @@ class LayerDecision:
     influence: float
     threshold: float  # the bypassed-influence budget left when this block was considered
     decision: str  # KEEP, BYPASS, PROTECTED, TRANSITION or BLACKLISTED
+    heads_gated: tuple[int, ...] = ()  # attention heads not computed in a kept block
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ def plan_bypass(
     protect_edges: bool,
     signal_weights: SignalWeights = SignalWeights(),
     memory_pressure: float = 0.0,
+    head_budget: float = 0.0,
 ) -> BypassPlan:
     """The bypass plan for one request; see the module docstring for the rule."""
     n = calibration.num_layers
@@ -115,5 +121,28 @@ def plan_bypass(
                 left -= influence[i]
             else:
                 break
-    decisions = [LayerDecision(i, influence[i], thresholds[i], status[i]) for i in range(n)]
-    return BypassPlan(ExecutionPlan(frozenset(bypass)), decisions, best, confidence, budget, signals, similarity)
+    gated = _gate_heads(calibration, weights, status, signals.effective_sensitivity * head_budget)
+    decisions = [LayerDecision(i, influence[i], thresholds[i], status[i], tuple(sorted(gated[i]))) for i in range(n)]
+    plan = ExecutionPlan(frozenset(bypass), gated_heads=tuple(frozenset(g) for g in gated) if any(gated) else ())
+    return BypassPlan(plan, decisions, best, confidence, budget, signals, similarity)
+
+
+def _gate_heads(calibration: Calibration, weights: dict[str, float], status: dict[int, str],
+                share: float) -> list[set[int]]:
+    """Per block, the heads gated within `share` of the total (domain-weighted) head influence."""
+    n = calibration.num_layers
+    gated: list[set[int]] = [set() for _ in range(n)]
+    profiles = [calibration.domains[name].head_influence for name in weights]
+    if share <= 0.0 or not profiles or any(len(p) != n for p in profiles):
+        return gated
+    heads = len(profiles[0][0])
+    influence = [[sum(weights[name] * calibration.domains[name].head_influence[i][h] for name in weights)
+                  for h in range(heads)] for i in range(n)]
+    left = share * sum(sum(row) for row in influence)
+    candidates = sorted(((influence[i][h], i, h) for i in range(n) if status[i] == "KEEP" for h in range(heads)))
+    for value, i, h in candidates:
+        if value > left:
+            break
+        gated[i].add(h)
+        left -= value
+    return gated

@@ -18,9 +18,10 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 
 from engine.anomaly import anomaly_reason
-from engine.calibration import Calibration, calibrate, mean_token_direction
+from engine.calibration import CALIBRATION_FORMAT_VERSION, Calibration, calibrate, mean_token_direction
 from engine.errors import InvalidRequestError
 from engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing, instrument
+from engine.heads import HeadGating, install_head_gating
 from engine.hardware import PeakMemory, estimate_dram_bytes_per_instruction
 from engine.loading import LoadedModel, load_model
 from engine.planner import BypassPlan, plan_bypass, validate_request
@@ -52,6 +53,11 @@ class PruningEngine:
         self.settings = settings
         self.instrumented: InstrumentedModel = instrument(loaded.model)
         validate_request(self.num_layers, settings.sensitivity, settings.layer_blacklist)
+        # None when head gating is off or the attention layout is unknown: requests then gate no head.
+        self.head_gating: HeadGating | None = install_head_gating(self.instrumented) if settings.head_gating else None
+        if settings.head_gating and self.head_gating is None:
+            logger.warning("head gating is unavailable for %s: its attention layout is not recognised",
+                           type(loaded.model).__name__)
         self._calibration: Calibration | None = None
         self._sparsity = None  # engine.sparse.SparsityInstallation once thresholds are calibrated
         if calibration is not None:
@@ -101,13 +107,16 @@ class PruningEngine:
             model_fingerprint=self.loaded.fingerprint,
             corpus_digest=corpus_digest,
             progress=progress,
+            heads=self.head_gating,
         )
         self.use_calibration(calibration)
         return calibration
 
     def calibration_path(self, corpus_digest: str) -> Path:
         root = self.settings.calibration_dir or Path.home() / ".cache" / "prunewatch" / "calibration"
-        return root / f"{self.name}-{self.loaded.fingerprint[:16]}-{corpus_digest[:12]}.json"
+        heads = "-heads" if self.head_gating is not None else ""
+        return root / (f"{self.name}-{self.loaded.fingerprint[:16]}-{corpus_digest[:12]}"
+                       f"-v{CALIBRATION_FORMAT_VERSION}{heads}.json")
 
     def load_or_calibrate(
         self,
@@ -198,6 +207,7 @@ class PruningEngine:
             protect_edges=self.settings.protect_edge_layers,
             signal_weights=self.settings.signal_weights,
             memory_pressure=memory_pressure(self.loaded.device),
+            head_budget=self.settings.head_budget if self.head_gating is not None else 0.0,
         )
         if self.settings.fallback_on_anomaly and prompt_text is not None:
             text_tokens = len(self.loaded.tokenizer(prompt_text, add_special_tokens=False).input_ids)
@@ -217,7 +227,7 @@ class PruningEngine:
         device = self.loaded.device
         ids = torch.tensor([prompt_ids], device=device)  # (1, T)
         cache = DynamicCache(config=model.config) if use_cache else None
-        executed_blocks = self.num_layers - len(plan.bypass)
+        executed_blocks = self._kv_layers_read(plan)
         with executing(plan, ledger):
             position = 0
             step_ids = ids
@@ -230,7 +240,7 @@ class PruningEngine:
                 else:
                     out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
                     context = ids.shape[1]
-                ledger.kv_bytes_read += executed_blocks * context * self._kv_bytes_per_token_per_layer
+                ledger.kv_bytes_read += int(executed_blocks * context * self._kv_bytes_per_token_per_layer)
                 token = int(out.logits[0, -1].argmax())
                 yield token
                 if token in self._eos_ids:
@@ -329,6 +339,7 @@ class PruningEngine:
             dense_flops=ledger.dense_flops,
             layers_bypassed=sorted(plan.bypass),
             layers_total=self.num_layers,
+            heads_gated=plan.heads_gated,
             activation_sparsity=round(ledger.activation_sparsity, 6),
             domain=bypass_plan.domain if bypass_plan else None,
             domain_confidence=round(bypass_plan.domain_confidence, 4) if bypass_plan else 0.0,
@@ -357,6 +368,15 @@ class PruningEngine:
             raise RuntimeError("generation ended without a result")
         return result
 
+    def _kv_layers_read(self, plan: ExecutionPlan) -> float:
+        """Blocks whose KV cache a decode step reads, in whole-layer units: a bypassed block reads none,
+        a block with gated key/value heads reads only its kept ones."""
+        if self.head_gating is None or not plan.gated_heads:
+            return float(self.num_layers - len(plan.bypass))
+        shape = self.head_gating.shape
+        return sum(len(shape.kept_kv_heads(plan.heads_gated_in(i))) / shape.kv_heads
+                   for i in range(self.num_layers) if i not in plan.bypass)
+
     def _with_sparsity(self, bypass_plan: BypassPlan, blacklist: list[int]) -> ExecutionPlan:
         """Add the request's activation-sparsity target (sensitivity-scaled) to its bypass plan;
         blacklisted and transition layers keep dense inputs."""
@@ -379,14 +399,15 @@ class PruningEngine:
         if level == LogLevel.NONE:
             return
         logger.info(
-            "request %s model=%s domain=%s layers_bypassed=%s ratio=%.4f tokens=%d fallback=%s",
-            stats.request_id, stats.model, stats.domain, stats.layers_bypassed, stats.pruning_ratio,
-            stats.completion_tokens, stats.fallback_reason,
+            "request %s model=%s domain=%s layers_bypassed=%s heads_gated=%d activation_sparsity=%.4f "
+            "ratio=%.4f tokens=%d fallback=%s",
+            stats.request_id, stats.model, stats.domain, stats.layers_bypassed, stats.heads_gated,
+            stats.activation_sparsity, stats.pruning_ratio, stats.completion_tokens, stats.fallback_reason,
         )
         if level == LogLevel.DETAILED and bypass_plan is not None:
             logger.info("request %s signals %s", stats.request_id, bypass_plan.signals.as_dict())
             for d in bypass_plan.decisions:
                 logger.info(
-                    "request %s layer=%d influence=%.5f threshold=%.5f decision=%s",
-                    stats.request_id, d.layer, d.influence, d.threshold, d.decision,
+                    "request %s layer=%d influence=%.5f threshold=%.5f decision=%s heads_gated=%s",
+                    stats.request_id, d.layer, d.influence, d.threshold, d.decision, list(d.heads_gated),
                 )

@@ -17,8 +17,8 @@ class LogLevel(str, Enum):
     """How much the engine logs about each request's pruning decisions."""
 
     NONE = "NONE"  # nothing per request
-    SUMMARY = "SUMMARY"  # one line: layers bypassed, ratio
-    DETAILED = "DETAILED"  # per layer: influence, threshold, KEEP / BYPASS
+    SUMMARY = "SUMMARY"  # one line: layers bypassed, heads gated, activation sparsity, ratio
+    DETAILED = "DETAILED"  # per layer: influence, threshold, KEEP / BYPASS, heads gated
 
 
 class EngineSettings(BaseSettings):
@@ -48,6 +48,15 @@ class EngineSettings(BaseSettings):
         description=(
             "Never bypass the first and last block: they are the model's transition layers (the "
             "first also anchors the KV cache length that transformers reads from layer 0)."
+        ),
+    )
+    head_gating: bool = Field(
+        True, description="Gate attention heads of low calibrated influence (engine/heads.py); off keeps every head.")
+    head_budget: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description=(
+            "At sensitivity 1, the share of the model's total calibrated head influence that may be "
+            "gated in the blocks that run; sensitivity scales it linearly."
         ),
     )
     max_new_tokens: int = Field(64, ge=1, le=8192, description="Default completion length.")

@@ -64,7 +64,8 @@ def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[s
     """layer_key -> (block index, linear module) for every target linear of every decoder block.
 
     When a block already holds a SparseLinear, its inner linear is returned under the same key, so
-    calibration and installation see the same names whether sparsity is installed or not.
+    calibration and installation see the same names whether sparsity is installed or not. Keys
+    leave out the `.inner` of a head-gating wrapper (engine.heads) for the same reason.
     """
     from engine.sparse.calibration import layer_key
     from engine.sparse.module import SparseLinear
@@ -73,10 +74,11 @@ def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[s
     for block in instrumented.blocks:
         wrapped = {id(m.linear) for m in block.block.modules() if isinstance(m, SparseLinear)}
         for name, module in block.block.named_modules():
+            key = layer_key(block.index, name.replace(".inner", ""))
             if isinstance(module, SparseLinear):
-                targets[layer_key(block.index, name)] = (block.index, module.linear)
+                targets[key] = (block.index, module.linear)
             elif id(module) not in wrapped and _is_target(name, module, projections):
-                targets[layer_key(block.index, name)] = (block.index, module)
+                targets[key] = (block.index, module)
     if not targets:
         raise UnsupportedArchitectureError(
             f"no linear layers named {', '.join(projections)} in the decoder blocks of "

@@ -36,6 +36,16 @@ def _per_row_flops(module: torch.nn.Module) -> int:
     return sum(2 * p.numel() for name, p in module.named_parameters() if p.dim() == 2 and name.endswith("weight"))
 
 
+def _gated_flops_per_row(block: torch.nn.Module, gated: frozenset[int], heads: int, kv_heads: int) -> int:
+    """Linear work of gated heads in one Llama block, from the projection weights' shapes alone."""
+    attention = block.self_attn
+    hidden = attention.q_proj.weight.shape[1]
+    head_dim = attention.q_proj.weight.shape[0] // heads
+    group = heads // kv_heads
+    kv_off = sum(1 for k in range(kv_heads) if set(range(k * group, (k + 1) * group)) <= gated)
+    return 2 * hidden * head_dim * (2 * len(gated) + 2 * kv_off)  # q rows + o columns, k and v rows
+
+
 def test_ratio_equals_the_share_of_work_really_skipped(probe_engine):
     blocks = probe_engine.instrumented.blocks
     model = probe_engine.loaded.model
@@ -46,8 +56,9 @@ def test_ratio_equals_the_share_of_work_really_skipped(probe_engine):
         for b in blocks]
     handles.append(model.get_output_embeddings().register_forward_hook(
         lambda m, args, out: head_rows.update({"head": args[0].shape[0] * args[0].shape[1]})))
+    probe = PROBES[2]
+    plan, _ = probe_engine.plan(probe_engine.render_prompt(probe.prompt, probe.system), 0.8, [])
     try:
-        probe = PROBES[2]
         result = probe_engine.generate(probe.prompt, system=probe.system, max_new_tokens=16, sensitivity=0.8)
     finally:
         for handle in handles:
@@ -59,7 +70,11 @@ def test_ratio_equals_the_share_of_work_really_skipped(probe_engine):
     assert tokens == stats.prompt_tokens + stats.completion_tokens - 1
     head = _per_row_flops(model.get_output_embeddings()) * head_rows["head"]
     dense = sum(_per_row_flops(b.block) for b in blocks) * tokens + head
-    executed = sum(_per_row_flops(b.block) * rows_seen[b.index] for b in blocks) + head
+    config = model.config
+    gated = [_gated_flops_per_row(b.block, plan.plan.heads_gated_in(b.index), config.num_attention_heads,
+                                  config.num_key_value_heads) for b in blocks]
+    assert stats.heads_gated == sum(len(plan.plan.heads_gated_in(b.index)) for b in blocks if rows_seen[b.index])
+    executed = sum((_per_row_flops(b.block) - gated[b.index]) * rows_seen[b.index] for b in blocks) + head
     assert stats.dense_flops == dense
     assert stats.executed_flops == executed
     assert stats.pruning_ratio == pytest.approx(1 - executed / dense, abs=1e-6)

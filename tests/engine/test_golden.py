@@ -25,11 +25,13 @@ def observe(probe_engine) -> dict:
             logits = probe_engine.loaded.model(input_ids=torch.tensor([ids])).logits[0, -1]
         dense = probe_engine.generate(prompt, system=system, max_new_tokens=12, sensitivity=0.0)
         pruned = probe_engine.generate(prompt, system=system, max_new_tokens=12, sensitivity=0.8)
+        pruned_plan, _ = probe_engine.plan(ids, 0.8, [])
         cases.append({
             "prompt_ids": ids,
             "last_logits_top5": [[int(i), round(float(v), 3)] for v, i in zip(*torch.topk(logits, 5))],
             "dense_tokens": dense.token_ids,
             "pruned_layers": pruned.stats.layers_bypassed,
+            "pruned_heads": [sorted(pruned_plan.plan.heads_gated_in(i)) for i in range(probe_engine.num_layers)],
             "pruned_tokens": pruned.token_ids,
         })
     return {"model_fingerprint": probe_engine.loaded.fingerprint, "cases": cases}
@@ -49,4 +51,5 @@ def test_probe_model_outputs_match_golden(probe_engine):
             assert a == pytest.approx(b, abs=2e-3)
         assert got["dense_tokens"] == want["dense_tokens"]
         assert got["pruned_layers"] == want["pruned_layers"]
+        assert got["pruned_heads"] == want["pruned_heads"]
         assert got["pruned_tokens"] == want["pruned_tokens"]

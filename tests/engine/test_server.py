@@ -104,7 +104,7 @@ def test_sdk_chat_reports_pruning_in_headers_and_body(sdk: openai.OpenAI, engine
     chat = raw.parse()
     direct = engine.generate(messages=CHAT, max_new_tokens=MAX_TOKENS)
     stats = direct.stats
-    assert stats.pruning_ratio > 0 and stats.layers_bypassed, "the default sensitivity must prune something"
+    assert stats.pruning_ratio > 0 and stats.layers_bypassed and stats.heads_gated, "the default sensitivity must prune something"
 
     assert chat.choices[0].message.content == direct.text
     assert chat.choices[0].finish_reason == stats.finish_reason
@@ -112,7 +112,7 @@ def test_sdk_chat_reports_pruning_in_headers_and_body(sdk: openai.OpenAI, engine
         stats.prompt_tokens, stats.completion_tokens, stats.prompt_tokens + stats.completion_tokens)
     assert float(raw.headers["X-Pruning-Ratio"]) == stats.pruning_ratio
     assert raw.headers["X-Pruning-Stats"] == (
-        f"layers_bypassed={len(stats.layers_bypassed)},heads_gated=0,sparsity=0.0,"
+        f"layers_bypassed={len(stats.layers_bypassed)},heads_gated={stats.heads_gated},sparsity=0.0,"
         f"total_tokens={stats.prompt_tokens + stats.completion_tokens}")
     body = chat.model_extra["prunewatch"]
     assert_same_stats(body, direct)

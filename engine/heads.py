@@ -1,0 +1,261 @@
+"""Attention-head gating: heads a request does not need are not computed.
+
+A gated query head h of block l costs nothing in that block's projections:
+- q_proj computes only the output rows of kept heads (the gated heads' rows stay zero);
+- k_proj / v_proj compute only the key/value heads some kept query head reads (grouped-query
+  attention shares a key/value head among `heads / kv_heads` query heads);
+- o_proj reads only the input columns of kept heads, so the gated heads add nothing to the
+  residual stream, exactly as if their attention output were zero.
+Fused projections (Phi-3's qkv_proj, GPT-2's c_attn) are cut the same way per segment.
+
+The gated set is part of the request's ExecutionPlan, fixed before the prefill, so a gated key /
+value head writes zeros into the KV cache at every step and no kept head ever reads them: prefill
+and decode see the same attention.
+
+Each projection is wrapped (`HeadGatedProjection`), never patched: without a plan, or when the plan
+gates nothing in its block, the wrapped layer runs untouched and its counting hook fires. When
+heads are gated the wrapper multiplies slices of the layer's own weight (views, no copy) and
+records the work it really did with `record_linear_work`. When activation sparsity is installed
+under the wrapper, o_proj hands the zeroed columns to the sparse kernel (which skips zero inputs)
+and q/k/v let the kernel compute every output column: the ledger then counts that full work, so
+the ratio never claims a saving that did not happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.execution import InstrumentedModel, current_execution, record_linear_work
+
+Role = Literal["output", "input"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of heads inside a projection's output (or o_proj's input) features."""
+
+    offset: int  # first feature of the run
+    kind: Literal["query", "kv"]  # query heads, or key/value heads shared by a group of query heads
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """How many heads a block's attention has and how they map onto each other."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    def kept_kv_heads(self, gated: frozenset[int]) -> list[int]:
+        """Key/value heads some kept query head still reads."""
+        return [k for k in range(self.kv_heads) if any(h not in gated for h in range(k * self.group, (k + 1) * self.group))]
+
+    def kept_ranges(self, segments: tuple[Segment, ...], gated: frozenset[int]) -> tuple[tuple[int, int], ...]:
+        """Feature ranges [start, end) still computed when `gated` query heads are off (merged runs)."""
+        ranges: list[tuple[int, int]] = []
+        for segment in segments:
+            if segment.kind == "query":
+                kept = [h for h in range(self.heads) if h not in gated]
+            else:
+                kept = self.kept_kv_heads(gated)
+            for unit in kept:
+                start = segment.offset + unit * self.head_dim
+                if ranges and ranges[-1][1] == start:
+                    ranges[-1] = (ranges[-1][0], start + self.head_dim)
+                else:
+                    ranges.append((start, start + self.head_dim))
+        return tuple(ranges)
+
+
+def _dense_linear(module: nn.Module) -> nn.Module:
+    """The plain linear under an activation-sparsity wrapper (or the module itself)."""
+    return getattr(module, "linear", module) if type(module).__name__ == "SparseLinear" else module
+
+
+def _sparsity_active(module: nn.Module, layer: int) -> bool:
+    if type(module).__name__ != "SparseLinear":
+        return False
+    execution = current_execution()
+    return execution is not None and execution[0].sparsity_for(layer) > 0.0
+
+
+class HeadGatedProjection(nn.Module):
+    """An attention projection that skips the features of the heads the active plan gates."""
+
+    def __init__(self, inner: nn.Module, layer: int, role: Role, shape: AttentionShape,
+                 segments: tuple[Segment, ...]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.layer = layer
+        self.role = role
+        self.shape = shape
+        self.segments = segments
+        self._ranges: dict[frozenset[int], tuple[tuple[int, int], ...]] = {}
+
+    def __getattr__(self, name: str):
+        # attention code may read `weight`, `bias` or `out_features` off its projections.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, role={self.role}, heads={self.shape.heads}, kv_heads={self.shape.kv_heads}"
+
+    def kept(self, gated: frozenset[int]) -> tuple[tuple[int, int], ...]:
+        ranges = self._ranges.get(gated)
+        if ranges is None:
+            ranges = self._ranges.setdefault(gated, self.shape.kept_ranges(self.segments, gated))
+        return ranges
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        execution = current_execution()
+        if execution is None:
+            return self.inner(x)
+        gated = execution[0].heads_gated_in(self.layer)
+        if not gated:
+            return self.inner(x)
+        ranges = self.kept(gated)
+        if self.role == "input":
+            return self._input_gated(x, ranges)
+        return self._output_gated(x, ranges)
+
+    def _weight(self) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """(weight, bias, stored_in_by_out) of the dense layer: Conv1D stores (in, out)."""
+        linear = _dense_linear(self.inner)
+        conv1d = type(linear).__name__ == "Conv1D"
+        return linear.weight, getattr(linear, "bias", None), conv1d
+
+    def _output_gated(self, x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        if _sparsity_active(self.inner, self.layer):
+            out = self.inner(x)  # the kernel computes every column and counts it so
+            mask = torch.zeros(out.shape[-1], dtype=out.dtype, device=out.device)
+            for start, end in ranges:
+                mask[start:end] = 1
+            return out * mask
+        weight, bias, conv1d = self._weight()
+        out_features = weight.shape[1] if conv1d else weight.shape[0]
+        in_features = x.shape[-1]
+        out = x.new_zeros(*x.shape[:-1], out_features)
+        kept = 0
+        for start, end in ranges:
+            rows = weight[:, start:end].t() if conv1d else weight[start:end]
+            out[..., start:end] = F.linear(x, rows, None if bias is None else bias[start:end])
+            kept += end - start
+        self._record(x, in_features * kept, weight.element_size())
+        return out
+
+    def _input_gated(self, x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        if _sparsity_active(self.inner, self.layer):
+            mask = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+            for start, end in ranges:
+                mask[start:end] = 1
+            return self.inner(x * mask)  # the kernel never reads the weight rows of zero inputs
+        weight, bias, conv1d = self._weight()
+        out_features = weight.shape[1] if conv1d else weight.shape[0]
+        out = None
+        kept = 0
+        for start, end in ranges:
+            cols = weight[start:end].t() if conv1d else weight[:, start:end]
+            part = F.linear(x[..., start:end], cols)
+            out = part if out is None else out.add_(part)
+            kept += end - start
+        if out is None:
+            out = x.new_zeros(*x.shape[:-1], out_features)
+        if bias is not None:
+            out = out + bias
+        self._record(x, kept * out_features, weight.element_size())
+        return out
+
+    @staticmethod
+    def _record(x: torch.Tensor, weight_entries: int, element_size: int) -> None:
+        rows = x.numel() // x.shape[-1]
+        record_linear_work(2 * weight_entries * rows, weight_entries * element_size)
+
+
+@dataclass(frozen=True)
+class HeadGating:
+    """The gated projections of one model, per block, and the attention shape they share."""
+
+    shape: AttentionShape
+    projections: dict[int, list[HeadGatedProjection]]  # block index -> its wrapped projections
+
+    @property
+    def num_heads(self) -> int:
+        return self.shape.heads
+
+
+def attention_shape(config) -> AttentionShape | None:
+    """Heads, key/value heads and head size from a transformers config; None when they do not fit."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not heads or not hidden:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    if heads % kv_heads:
+        return None
+    return AttentionShape(int(heads), int(kv_heads), int(head_dim))
+
+
+def _layout(attention: nn.Module, shape: AttentionShape) -> dict[str, tuple[Role, tuple[Segment, ...]]] | None:
+    """Projection attribute -> (role, segments) for the attention modules transformers ships."""
+    q_width = shape.heads * shape.head_dim
+    kv_width = shape.kv_heads * shape.head_dim
+    query, kv = (Segment(0, "query"),), (Segment(0, "kv"),)
+    names = {name for name, _ in attention.named_children()}
+    if {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:  # Llama, Qwen2, Mistral, Gemma
+        return {"q_proj": ("output", query), "k_proj": ("output", kv), "v_proj": ("output", kv),
+                "o_proj": ("input", query)}
+    if {"qkv_proj", "o_proj"} <= names:  # Phi-3: [q | k | v]
+        fused = (Segment(0, "query"), Segment(q_width, "kv"), Segment(q_width + kv_width, "kv"))
+        return {"qkv_proj": ("output", fused), "o_proj": ("input", query)}
+    if {"c_attn", "c_proj"} <= names:  # GPT-2: Conv1D [q | k | v], kv_heads == heads
+        fused = (Segment(0, "query"), Segment(q_width, "kv"), Segment(q_width + kv_width, "kv"))
+        return {"c_attn": ("output", fused), "c_proj": ("input", query)}
+    return None
+
+
+def _attention_of(block: nn.Module) -> nn.Module | None:
+    for name in ("self_attn", "attn", "attention"):
+        module = getattr(block, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
+
+
+def install_head_gating(instrumented: InstrumentedModel) -> HeadGating | None:
+    """Wrap every block's attention projections; None when the architecture's layout is unknown.
+
+    Idempotent: a model whose projections are already wrapped is returned as it is.
+    """
+    shape = attention_shape(instrumented.model.config)
+    if shape is None:
+        return None
+    layouts = {}
+    for block in instrumented.blocks:  # every block is checked before any is wrapped
+        attention = _attention_of(block.block)
+        layout = _layout(attention, shape) if attention is not None else None
+        if layout is None:
+            return None
+        layouts[block.index] = (attention, layout)
+    projections: dict[int, list[HeadGatedProjection]] = {}
+    for index, (attention, layout) in layouts.items():
+        wrapped = []
+        for name, (role, segments) in layout.items():
+            current = getattr(attention, name)
+            if not isinstance(current, HeadGatedProjection):
+                current = HeadGatedProjection(current, index, role, shape, segments)
+                setattr(attention, name, current)
+            wrapped.append(current)
+        projections[index] = wrapped
+    return HeadGating(shape=shape, projections=projections)
