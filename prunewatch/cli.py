@@ -173,6 +173,15 @@ def bench_engine_command(ctx: typer.Context) -> None:
     raise typer.Exit(bench_main(list(ctx.args)))
 
 
+@bench_app.command("mechanisms", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_mechanisms_command(ctx: typer.Context) -> None:
+    """Pruning ratio, quality and decode speed of layer bypass, head gating and activation sparsity
+    on the probe model, each alone and combined, against dense in the same run."""
+    from bench.mechanisms import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
 def _mount_groups() -> None:
     """Command groups whose parts own their command functions."""
     from alerts import cli as alerts_cli

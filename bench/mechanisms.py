@@ -1,0 +1,258 @@
+"""Pruning mechanisms on the probe model: pruning ratio, quality and decode speed at one sensitivity.
+
+Each configuration sets the budgets of the three mechanisms (layer bypass: influence_budget; head
+gating: head_budget; activation sparsity: activation_sparsity) and runs every canonical probe
+through the engine exactly as a request would run, with the quality check against the dense model.
+Configurations run interleaved per probe (the order rotates), so machine load hits them alike; the
+dense configuration is the speed baseline of the same run.
+
+Every figure is measured: the ratio from the executed linear work (the request's whole prefill and
+decode), agreement and perplexity from teacher forcing on the dense continuation, tokens/s from
+wall time. Perplexity delta pools the negative log-likelihood of every scored token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROBE_MODEL = Path(__file__).resolve().parent.parent / "engine" / "models" / "probe-llama"
+
+
+class Mechanisms(BaseModel):
+    """One configuration: the budget of each mechanism at sensitivity 1 (scaled per request)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    influence_budget: float = Field(0.0, ge=0.0, le=1.0)
+    head_budget: float = Field(0.0, ge=0.0, le=1.0)
+    activation_sparsity: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+DENSE = Mechanisms(name="dense")
+GRID: tuple[Mechanisms, ...] = (
+    DENSE,
+    Mechanisms(name="engine defaults", influence_budget=0.5, head_budget=0.05),
+    Mechanisms(name="bypass 0.15", influence_budget=0.15),
+    Mechanisms(name="bypass 0.25", influence_budget=0.25),
+    Mechanisms(name="bypass 0.5", influence_budget=0.5),
+    Mechanisms(name="heads 0.05", head_budget=0.05),
+    Mechanisms(name="heads 0.1", head_budget=0.1),
+    Mechanisms(name="heads 0.25", head_budget=0.25),
+    Mechanisms(name="sparsity 0.5", activation_sparsity=0.5),
+    Mechanisms(name="sparsity 0.8", activation_sparsity=0.8),
+    Mechanisms(name="sparsity 0.95", activation_sparsity=0.95),
+    Mechanisms(name="bypass 0.1 + heads 0.05 + sparsity 0.8", influence_budget=0.1, head_budget=0.05,
+               activation_sparsity=0.8),
+    Mechanisms(name="bypass 0.15 + heads 0.05 + sparsity 0.8", influence_budget=0.15, head_budget=0.05,
+               activation_sparsity=0.8),
+    Mechanisms(name="bypass 0.5 + heads 0.25 + sparsity 0.8", influence_budget=0.5, head_budget=0.25,
+               activation_sparsity=0.8),
+)
+QUALITY_TARGET = {"ratio": 0.40, "perplexity_delta_pct": 2.0, "agreement": 0.95}
+
+
+@dataclass
+class MechanismRow:
+    """Aggregates of one configuration over every probe."""
+
+    name: str
+    influence_budget: float
+    head_budget: float
+    activation_sparsity_budget: float
+    pruning_ratio: float  # mean over probes
+    pruning_ratio_min: float
+    pruning_ratio_max: float
+    layers_bypassed: float  # mean per request
+    heads_gated: float  # mean per request
+    activation_sparsity: float  # mean measured share of the sparse layers' work skipped
+    agreement: float  # mean token agreement with the dense continuation
+    agreement_min: float
+    perplexity_delta_pct: float  # pooled over all scored tokens
+    decode_tokens_per_s: float  # median over probes
+    speedup: float  # decode tokens/s over the dense configuration's, same run
+    meets_quality: bool  # perplexity +<= 2% and agreement >= 0.95
+    requests: int
+
+
+def _engine(model_dir: Path, calibration_dir: Path, sensitivity: float):
+    from engine import EngineSettings, PruningEngine
+    from probes import load_probes
+
+    probe_set = load_probes()
+    engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device="cpu", calibration_dir=calibration_dir,
+                                               sensitivity=sensitivity, log_level="NONE"))
+    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.enable_activation_sparsity(probe_set.calibration_texts(), probe_set.digest)
+    return engine, probe_set
+
+
+def _aggregate(config: Mechanisms, stats: list, dense_tps: float) -> MechanismRow:
+    ratios = [s.pruning_ratio for s in stats]
+    agreements = [s.quality.token_agreement for s in stats]
+    tokens = sum(s.quality.scored_tokens for s in stats)
+    dense_nll = sum(math.log(s.quality.dense_perplexity) * s.quality.scored_tokens for s in stats)
+    pruned_nll = sum(math.log(s.quality.pruned_perplexity) * s.quality.scored_tokens for s in stats)
+    delta = (math.exp((pruned_nll - dense_nll) / tokens) - 1.0) * 100.0
+    tps = statistics.median(s.decode_tokens_per_s for s in stats)
+    agreement = statistics.fmean(agreements)
+    return MechanismRow(
+        name=config.name, influence_budget=config.influence_budget, head_budget=config.head_budget,
+        activation_sparsity_budget=config.activation_sparsity,
+        pruning_ratio=round(statistics.fmean(ratios), 4), pruning_ratio_min=round(min(ratios), 4),
+        pruning_ratio_max=round(max(ratios), 4),
+        layers_bypassed=round(statistics.fmean(len(s.layers_bypassed) for s in stats), 2),
+        heads_gated=round(statistics.fmean(s.heads_gated for s in stats), 2),
+        activation_sparsity=round(statistics.fmean(s.activation_sparsity for s in stats), 4),
+        agreement=round(agreement, 4), agreement_min=round(min(agreements), 4),
+        perplexity_delta_pct=round(delta, 3), decode_tokens_per_s=round(tps, 2),
+        speedup=round(tps / dense_tps, 3) if dense_tps > 0 else 0.0,
+        meets_quality=delta <= QUALITY_TARGET["perplexity_delta_pct"] and agreement >= QUALITY_TARGET["agreement"],
+        requests=len(stats),
+    )
+
+
+def run(grid: tuple[Mechanisms, ...], out: Path, plot: Path | None, *, model_dir: Path = PROBE_MODEL,
+        calibration_dir: Path | None = None, sensitivity: float = 0.5, max_new_tokens: int = 32,
+        probes: int | None = None) -> dict:
+    """Run every configuration on every probe, interleaved; write the JSON (and plot); return it."""
+    from tqdm import tqdm
+
+    if grid[0] != DENSE:
+        raise ValueError("the first configuration must be 'dense': it is the speed baseline")
+    started = time.time()
+    calibration_dir = calibration_dir or Path.home() / ".cache" / "prunewatch" / "calibration"
+    engine, probe_set = _engine(model_dir, calibration_dir, sensitivity)
+    chosen = probe_set.probes[:probes] if probes else probe_set.probes
+    collected: dict[str, list] = {c.name: [] for c in grid}
+    base = engine.settings
+    with tqdm(total=len(chosen) * len(grid), desc="mechanisms", unit="request", file=sys.stderr) as bar:
+        for index, probe in enumerate(chosen):
+            shift = index % len(grid)
+            for config in grid[shift:] + grid[:shift]:  # rotate the order per probe
+                engine.settings = base.model_copy(update={
+                    "influence_budget": max(config.influence_budget, 1e-9),
+                    "head_budget": config.head_budget,
+                    "activation_sparsity": config.activation_sparsity,
+                    "sensitivity": 0.0 if config == DENSE else sensitivity,
+                })
+                result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
+                                         quality=True)
+                collected[config.name].append(result.stats)
+                bar.update(1)
+    engine.settings = base
+    dense_tps = statistics.median(s.decode_tokens_per_s for s in collected[DENSE.name])
+    rows = [_aggregate(c, collected[c.name], dense_tps) for c in grid]
+    feasible = [r for r in rows if r.meets_quality]
+    best = max(feasible, key=lambda r: r.pruning_ratio) if feasible else None
+    defaults = next((r for r in rows if r.name == "engine defaults"), None)
+    result = {
+        "device": "cpu",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python -m bench.mechanisms " + " ".join(sys.argv[1:]),
+        "duration_s": round(time.time() - started, 1),
+        "model": {"name": engine.name, "fingerprint": engine.loaded.fingerprint,
+                  "layers": engine.num_layers, "heads": engine.head_gating.shape.heads if engine.head_gating else None},
+        "sensitivity": sensitivity,
+        "max_new_tokens": max_new_tokens,
+        "probes": [p.id for p in chosen],
+        "method": {
+            "pruning_ratio": "measured: 1 - executed / dense linear FLOPs of the whole request (prefill + decode)",
+            "agreement": "measured: teacher-forced argmax match on the dense continuation",
+            "perplexity_delta_pct": "measured: pooled NLL of the dense continuation, pruned vs dense",
+            "speedup": "measured: median decode tokens/s over the dense configuration's in the same run",
+        },
+        "quality_target": QUALITY_TARGET,
+        "rows": [asdict(r) for r in rows],
+        "best_within_quality": asdict(best) if best else None,
+        "target": {
+            "target": "probe model at the default sensitivity: ratio >= 0.40, perplexity +<= 2%, agreement >= 0.95",
+            "defaults": asdict(defaults) if defaults else None,
+            "met": bool(defaults and defaults.meets_quality and defaults.pruning_ratio >= QUALITY_TARGET["ratio"]),
+        },
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if plot is not None:
+        write_plot(result, plot)
+    return result
+
+
+def write_plot(result: dict, path: Path) -> None:
+    """Agreement and perplexity delta against the measured pruning ratio, one point per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (agree, ppl) = plt.subplots(1, 2, figsize=(15, 6.2))
+    target = result["quality_target"]
+    for row in result["rows"]:
+        kinds = [k for k, v in (("bypass", row["influence_budget"]), ("heads", row["head_budget"]),
+                                ("sparsity", row["activation_sparsity_budget"])) if v > 0]
+        color = {("bypass",): "tab:blue", ("heads",): "tab:orange", ("sparsity",): "tab:green"}.get(
+            tuple(kinds), "tab:purple" if kinds else "black")
+        for axis, key in ((agree, "agreement"), (ppl, "perplexity_delta_pct")):
+            axis.scatter(row["pruning_ratio"], row[key], color=color, s=40, zorder=3)
+            axis.annotate(row["name"], (row["pruning_ratio"], row[key]), fontsize=7, xytext=(4, 3),
+                          textcoords="offset points")
+    agree.axhline(target["agreement"], color="grey", ls="--", lw=1, label=f"agreement floor {target['agreement']}")
+    ppl.axhline(target["perplexity_delta_pct"], color="grey", ls="--", lw=1,
+                label=f"perplexity +{target['perplexity_delta_pct']}%")
+    for axis in (agree, ppl):
+        axis.axvline(target["ratio"], color="tab:red", ls=":", lw=1, label=f"ratio target {target['ratio']}")
+        axis.set_xlabel("pruning ratio (measured, linear FLOPs of prefill + decode)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8, loc="best")
+    agree.set_ylabel("token agreement with the dense model")
+    ppl.set_ylabel("perplexity delta, % (pooled)")
+    ppl.set_yscale("symlog", linthresh=1.0)
+    fig.suptitle(f"{result['model']['name']}: mechanisms at sensitivity {result['sensitivity']} "
+                 f"({len(result['probes'])} probes, {result['max_new_tokens']} tokens each)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_table(result: dict) -> str:
+    lines = ["| configuration | ratio | layers | heads | act. sparsity | agreement | ppl delta | speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['name']} | {r['pruning_ratio']:.3f} | {r['layers_bypassed']:.1f} | {r['heads_gated']:.1f} "
+                     f"| {r['activation_sparsity']:.3f} | {r['agreement']:.3f} | {r['perplexity_delta_pct']:+.2f}% "
+                     f"| {r['speedup']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.mechanisms", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / "mechanisms-cpu.json", help="JSON path")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG beside the JSON")
+    parser.add_argument("--model", type=Path, default=PROBE_MODEL, help="model folder (default: the probe model)")
+    parser.add_argument("--sensitivity", type=float, default=0.5, help="request sensitivity (default 0.5)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = parser.parse_args(argv)
+    if not 0.0 < args.sensitivity <= 1.0:
+        parser.error(f"--sensitivity must be in (0, 1], got {args.sensitivity}")
+    torch.set_num_threads(args.threads)
+    result = run(GRID, args.out, None if args.no_plot else args.out.with_suffix(".png"), model_dir=args.model,
+                 sensitivity=args.sensitivity, max_new_tokens=args.max_new_tokens)
+    print(format_table(result))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""The mechanisms benchmark end to end on two probes: one row per configuration, figures that follow
+from the engine's own measurements (dense is exact, each mechanism skips only its own kind of work),
+and a plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.mechanisms import DENSE, Mechanisms, format_table, run
+
+
+def test_mechanisms_bench_measures_each_mechanism_against_dense(tmp_path, probe_model_dir, calibration_dir):
+    grid = (DENSE, Mechanisms(name="bypass", influence_budget=0.5), Mechanisms(name="heads", head_budget=0.25),
+            Mechanisms(name="sparsity", activation_sparsity=0.8))
+    out = tmp_path / "mechanisms.json"
+    result = run(grid, out, out.with_suffix(".png"), model_dir=probe_model_dir, calibration_dir=calibration_dir,
+                 max_new_tokens=6, probes=2)
+    assert json.loads(out.read_text()) == result
+    rows = {r["name"]: r for r in result["rows"]}
+    dense = rows["dense"]
+    assert (dense["pruning_ratio"], dense["agreement"], dense["perplexity_delta_pct"], dense["speedup"]) == (0.0, 1.0, 0.0, 1.0)
+    bypass, heads, sparsity = rows["bypass"], rows["heads"], rows["sparsity"]
+    assert bypass["layers_bypassed"] > 0 and bypass["heads_gated"] == 0 and bypass["activation_sparsity"] == 0
+    assert heads["heads_gated"] > 0 and heads["layers_bypassed"] == 0 and heads["activation_sparsity"] == 0
+    assert sparsity["activation_sparsity"] > 0 and sparsity["layers_bypassed"] == sparsity["heads_gated"] == 0
+    for row in (bypass, heads, sparsity):
+        assert 0.0 < row["pruning_ratio_min"] <= row["pruning_ratio"] <= row["pruning_ratio_max"] < 1.0
+        assert row["agreement_min"] <= row["agreement"] <= 1.0 and row["requests"] == 2
+        assert row["meets_quality"] == (row["perplexity_delta_pct"] <= 2.0 and row["agreement"] >= 0.95)
+    assert result["target"]["met"] is False  # no "engine defaults" row in this grid
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert format_table(result).count("\n|") == len(grid) + 1
+    with pytest.raises(ValueError, match="must be 'dense'"):
+        run(grid[1:], out, None, model_dir=probe_model_dir, calibration_dir=calibration_dir)
