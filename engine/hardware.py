@@ -11,6 +11,13 @@ import torch
 CPU_FLOPS_PER_INSTRUCTION = 16
 
 
+def device_name(device: torch.device) -> str:
+    """The accelerator's marketing name (what a DRAM profile is tied to), or 'cpu'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

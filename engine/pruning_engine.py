@@ -22,7 +22,8 @@ from engine.calibration import CALIBRATION_FORMAT_VERSION, Calibration, calibrat
 from engine.errors import InvalidRequestError
 from engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing, instrument
 from engine.heads import HeadGating, install_head_gating
-from engine.hardware import PeakMemory, estimate_dram_bytes_per_instruction
+from engine.dram_profile import DramProfile
+from engine.hardware import PeakMemory, device_name, estimate_dram_bytes_per_instruction
 from engine.loading import LoadedModel, load_model
 from engine.planner import BypassPlan, plan_bypass, validate_request
 from engine.quality import score_against_dense
@@ -62,6 +63,7 @@ class PruningEngine:
         self._sparsity = None  # engine.sparse.SparsityInstallation once thresholds are calibrated
         if calibration is not None:
             self.use_calibration(calibration)
+        self.dram_profile = self._load_dram_profile(settings.dram_profile)
         config = loaded.model.config
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -140,8 +142,9 @@ class PruningEngine:
 
     def enable_activation_sparsity(self, texts_by_domain: Mapping[str, Sequence[str]], corpus_digest: str) -> None:
         """Calibrate per-layer input thresholds (cached beside the block calibration) and install the
-        sparse kernel on every block's linear layers. Raises SparseKernelUnavailableError off the CPU
-        or without a compiler: a sparse request is never run dense while reported as sparse."""
+        sparse kernel on every block's linear layers. Raises SparseKernelUnavailableError where the
+        device has no kernel (no compiler on the CPU, no triton on CUDA, any other device): a sparse
+        request is never run dense while reported as sparse."""
         from engine.sparse import SparsityCalibration, calibrate_sparsity_on_texts, install_sparsity
 
         if self._sparsity is not None:
@@ -319,6 +322,7 @@ class PruningEngine:
             peak = memory.peak_bytes()
         completion = len(tokens)
         inference_s = inferred - preprocessed
+        dram_value, dram_source = self._dram_figure(plan, ledger)
         decode_s = inferred - first_token_at if first_token_at else 0.0
         stats = RequestStats(
             request_id=request_id,
@@ -350,9 +354,8 @@ class PruningEngine:
             quality=report,
             peak_memory_bytes=peak,
             peak_memory_source=memory.source,
-            dram_bytes_per_instruction=estimate_dram_bytes_per_instruction(
-                ledger.weight_bytes_read, ledger.kv_bytes_read, ledger.executed_flops),
-            dram_source="estimate",
+            dram_bytes_per_instruction=dram_value,
+            dram_source=dram_source,
             finish_reason=finish_reason,
         )
         self._log(stats, bypass_plan, log_level)
@@ -367,6 +370,28 @@ class PruningEngine:
         if not isinstance(result, GenerationResult):  # stream always ends with its result
             raise RuntimeError("generation ended without a result")
         return result
+
+    def _load_dram_profile(self, path: Path | None) -> DramProfile | None:
+        """The ncu profile for this model on this device; a profile of another GPU is not used."""
+        if path is None:
+            return None
+        profile = DramProfile.load(path)
+        profile.check(self.loaded.fingerprint)
+        here = device_name(self.loaded.device)
+        if not profile.matches_device(here):
+            logger.warning("DRAM profile %s was measured on %s, not on %s: requests report the estimate",
+                           path, profile.device_name, here)
+            return None
+        return profile
+
+    def _dram_figure(self, plan: ExecutionPlan, ledger: ExecutionLedger) -> tuple[float | None, str]:
+        """(DRAM bytes per instruction, source): ncu when the profile holds this request's step shape."""
+        if self.dram_profile is not None and not plan.bypass and plan.heads_gated == 0:
+            level = self.dram_profile.level_for(ledger.activation_sparsity)
+            if level is not None:
+                return level.bytes_per_instruction, "ncu"
+        return estimate_dram_bytes_per_instruction(
+            ledger.weight_bytes_read, ledger.kv_bytes_read, ledger.executed_flops), "estimate"
 
     def _kv_layers_read(self, plan: ExecutionPlan) -> float:
         """Blocks whose KV cache a decode step reads, in whole-layer units: a bypassed block reads none,

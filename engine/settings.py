@@ -64,7 +64,8 @@ class EngineSettings(BaseSettings):
         0.0, ge=0.0, lt=1.0,
         description=(
             "Activation-sparsity target of the linear inputs at effective sensitivity 1 (scaled by it per "
-            "request); 0 leaves the sparse kernel out. CPU only: thresholds are calibrated with the blocks."
+            "request); 0 leaves the sparse kernel out. Compiled kernel on the CPU, Triton on CUDA; "
+            "thresholds are calibrated with the blocks."
         ),
     )
     fallback_on_anomaly: bool = Field(
@@ -78,6 +79,12 @@ class EngineSettings(BaseSettings):
     )
     agreement_floor: float = Field(
         0.90, ge=0.0, le=1.0, description="Token agreement with the dense model below which a request is flagged."
+    )
+    dram_profile: Path | None = Field(
+        None,
+        description=(
+            "DRAM profile measured with Nsight Compute (`prunewatch profile-dram`); requests of the "
+            "profiled shape on the profiled GPU then report dram_source=ncu instead of the estimate."),
     )
     calibration_dir: Path | None = Field(
         None, description="Where calibrations are cached; default ~/.cache/prunewatch/calibration."

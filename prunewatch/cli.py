@@ -131,6 +131,44 @@ def calibrate_command(
     typer.echo(f"wrote {json_path} and {png_path} (model fingerprint {calibration.model_fingerprint[:12]})")
 
 
+@app.command("profile-dram")
+def profile_dram_command(
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    sparsity: list[float] = typer.Option([0.0, 0.5], help="Activation-sparsity levels to profile (0 is dense)."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32 (what the engine runs on CUDA)."),
+    out: Path = typer.Option(None, help="Profile JSON (default: <model name>.dram-profile.json here)."),
+) -> None:
+    """Measure DRAM bytes per instruction of one decode step per sparsity level with Nsight Compute
+    (needs an NVIDIA GPU and ncu); pass the file to the engine as PRUNEWATCH_ENGINE_DRAM_PROFILE."""
+    import torch
+    from rich.progress import Progress
+
+    from engine import EngineError
+    from engine.dram_profile import profile_dram
+    from engine.loading import weights_fingerprint
+
+    if not torch.cuda.is_available():
+        raise fail("profile-dram measures a GPU with Nsight Compute, and torch sees no CUDA device here")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise fail(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    if not (model / "config.json").is_file():
+        raise fail(f"no Hugging Face model in {model} (config.json missing)")
+    try:
+        with Progress() as progress:
+            task = progress.add_task("profiling with ncu", total=len(set(sparsity)))
+            profile = profile_dram(model, model_fingerprint=weights_fingerprint(model),
+                                   device_name=torch.cuda.get_device_name(), sparsities=sparsity, dtype=dtype,
+                                   progress=lambda done, total: progress.update(task, completed=done))
+    except (EngineError, ValueError) as exc:
+        raise fail(str(exc))
+    path = out or Path(f"{model.name}.dram-profile.json")
+    profile.save(path)
+    for level in profile.levels:
+        typer.echo(f"sparsity {level.sparsity:.2f}: {level.dram_bytes_read / 1e6:,.1f} MB read, "
+                   f"{level.bytes_per_instruction:.3f} bytes/instruction (ncu, {level.kernels} kernels)")
+    typer.echo(f"wrote {path}")
+
+
 @app.command("serve")
 def serve_command(
     model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),

@@ -102,3 +102,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_d
     result = run_cli(*args, timeout=120)
     _assert_one_line_error(result, needle)
     assert not db.exists()
+
+
+def test_profile_dram_without_a_gpu_says_so_and_writes_nothing(tmp_path, probe_model_dir):
+    out = tmp_path / "profile.json"
+    result = run_cli("profile-dram", "--model", str(probe_model_dir), "--out", str(out), timeout=120,
+                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    _assert_one_line_error(result, "torch sees no CUDA device here")
+    assert not out.exists()

@@ -1,0 +1,80 @@
+"""DRAM profiles from Nsight Compute: measured once per model and GPU, saved, refused for another model,
+and reported per request only where the request's steps have the profiled shape; otherwise the
+estimate, labelled as such."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+
+from engine import CalibrationMismatchError, EngineSettings, PruningEngine
+from engine.dram_profile import DramLevel, DramProfile, profile_dram
+from engine.ncu import parse_csv
+from probes import load_probes
+from tests.engine.test_ncu_parse import SAMPLE, _fake_ncu
+
+PROBE = load_probes().probes[0]
+
+
+def _profile(fingerprint: str, device: str = "cpu") -> DramProfile:
+    return DramProfile(model_fingerprint=fingerprint, device_name=device, dtype="float32", batch=1, levels=[
+        DramLevel(sparsity=0.0, dram_bytes_read=8e6, instructions=1e6, kernels=40, bytes_per_instruction=8.0),
+        DramLevel(sparsity=0.5, dram_bytes_read=4.5e6, instructions=1.1e6, kernels=60, bytes_per_instruction=4.09)])
+
+
+def test_profile_measures_each_level_under_ncu_and_round_trips(tmp_path, probe_model_dir):
+    sample = tmp_path / "sample.csv"
+    sample.write_text(SAMPLE)
+    ncu = _fake_ncu(tmp_path, 'echo "$@" >> "$(dirname "$0")/calls"\n'
+                              f'while [ "$1" != "--log-file" ]; do shift; done\ncp "{sample}" "$2"\n')
+    seen = []
+    profile = profile_dram(probe_model_dir, model_fingerprint="f" * 64, device_name="NVIDIA H200",
+                           sparsities=(0.5, 0.0, 0.5), ncu=str(ncu), progress=lambda d, t: seen.append((d, t)))
+    expected = parse_csv(SAMPLE)
+    assert [level.sparsity for level in profile.levels] == [0.0, 0.5]
+    assert all(level.bytes_per_instruction == expected.bytes_per_instruction for level in profile.levels)
+    assert seen == [(1, 2), (2, 2)]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 2 and all(f"--model-dir {probe_model_dir}" in call for call in calls)
+    assert "--sparsity 0.0" in calls[0] and "--sparsity 0.5" in calls[1]
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert DramProfile.load(path) == profile
+    assert profile.level_for(0.47) == profile.levels[1] and profile.level_for(0.2) is None
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+        profile_dram(probe_model_dir, model_fingerprint="f", device_name="x", sparsities=(1.2,), ncu=str(ncu))
+
+
+def test_engine_reports_ncu_only_for_requests_of_the_profiled_shape(tmp_path, probe_model_dir, calibration_dir,
+                                                                    probe_engine):
+    fingerprint = probe_engine.loaded.fingerprint
+    path = tmp_path / "profile.json"
+    _profile(fingerprint).save(path)
+    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
+                                               calibration_dir=calibration_dir, dram_profile=path))
+    probe_set = load_probes()
+    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    dense = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=3, sensitivity=0.0).stats
+    assert (dense.dram_bytes_per_instruction, dense.dram_source) == (8.0, "ncu")
+    pruned = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=3, sensitivity=0.9).stats
+    assert pruned.layers_bypassed and pruned.dram_source == "estimate"
+    assert pruned.dram_bytes_per_instruction != 8.0 and pruned.dram_bytes_per_instruction > 0
+
+
+def test_a_profile_of_another_model_is_refused_and_of_another_gpu_unused(tmp_path, probe_model_dir, caplog):
+    path = tmp_path / "profile.json"
+    _profile("0" * 64).save(path)
+    with pytest.raises(CalibrationMismatchError, match="DRAM profile was measured on model 000000000000"):
+        PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", dram_profile=path))
+    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu"))
+    replace(_profile(engine.loaded.fingerprint), device_name="NVIDIA H200").save(path)
+    with caplog.at_level(logging.WARNING, logger="prunewatch.engine"):
+        other = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", dram_profile=path))
+    assert other.dram_profile is None and "measured on NVIDIA H200, not on cpu" in caplog.text
+    stats = other.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=2, sensitivity=0.0).stats
+    assert stats.dram_source == "estimate"
+    (tmp_path / "old.json").write_text('{"format_version": 0}')
+    with pytest.raises(CalibrationMismatchError, match="has format 0"):
+        DramProfile.load(tmp_path / "old.json")
