@@ -506,8 +506,8 @@ def _targets(rows: list[SpeedRow], quality: list[QualityRow], device: str = "cpu
     checks = []
     b1 = [r for r in rows if r.batch == 1 and r.sparsity >= 0.45]
     if b1:
-        best = max(b1, key=lambda r: r.fraction_of_bound)
-        checks.append({"target": f"{device.upper()} batch 1, s >= 0.45: speedup >= 90% of 1/(1 - s f)",
+        best = min(b1, key=lambda r: r.fraction_of_bound)  # every sparsity >= 0.45 must reach it: the worst row
+        checks.append({"target": f"{device.upper()} batch 1, every s >= 0.45: speedup >= 90% of 1/(1 - s f)",
                        "reached": best.fraction_of_bound, "met": best.fraction_of_bound >= 0.9,
                        "reached_vs_kernel_all_channels": best.fraction_of_bound_vs_kernel,
                        "met_by_skipping_alone": best.fraction_of_bound_vs_kernel >= 0.9,
@@ -526,10 +526,11 @@ def _targets(rows: list[SpeedRow], quality: list[QualityRow], device: str = "cpu
     row_q = [q for q in quality if q.policy == "row" and q.agreement is not None]
     if row_q:
         ok = [q for q in row_q if q.perplexity_delta_pct <= 2.0 and q.agreement >= 0.95]
-        best = max(ok, key=lambda q: q.input_sparsity) if ok else None
-        checks.append({"target": "probe model: highest sparsity with perplexity +<= 2% and agreement >= 95%",
-                       "reached": best.input_sparsity if best else 0.0, "met": best is not None,
-                       "row": asdict(best) if best else None})
+        best = max(ok, key=lambda q: q.decode_pruning_ratio) if ok else None
+        reached = best.decode_pruning_ratio if best else 0.0
+        checks.append({"target": "probe model: decode pruning ratio >= 0.40 by activation sparsity alone, "
+                                 "at perplexity +<= 2% and agreement >= 95%",
+                       "reached": reached, "met": reached >= 0.40, "row": asdict(best) if best else None})
     return checks
 
 
