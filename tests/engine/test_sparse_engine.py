@@ -281,12 +281,12 @@ def test_other_families_with_the_wina_score_equal_their_masked_dense_model(famil
     assert 0.3 < ledger.pruning_ratio < 0.6
 
 
-def test_a_model_off_the_cpu_is_refused_rather_than_run_dense():
+def test_a_model_on_a_device_without_a_kernel_is_refused_rather_than_run_dense():
     from engine.sparse import SparseKernelUnavailableError
 
     model = _tiny_llama()
     instrumented = instrument(model)
     calibration = calibrate_sparsity(instrumented, [_ids(1, 8, seed=50)], model_fingerprint="t", corpus_digest="d")
-    model.to("meta")  # stands in for a GPU: any non-CPU device
-    with pytest.raises(SparseKernelUnavailableError, match="CPU only; the model is on meta"):
+    model.to("meta")  # a device with neither the compiled CPU kernel nor the Triton CUDA kernel
+    with pytest.raises(SparseKernelUnavailableError, match="CUDA \\(Triton\\) and the CPU only; the model is on meta"):
         install_sparsity(instrumented, calibration)
