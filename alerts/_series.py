@@ -97,7 +97,7 @@ class _HistogramSpec:
 
 
 def _md(r: ProbeResult) -> dict[str, str]:
-    return {"model": r.model, "domain": r.domain}
+    return {"model": r.model, "domain": r.domain, "target": r.target}
 
 
 def _ms(value: float | None) -> float | None:

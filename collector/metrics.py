@@ -50,37 +50,37 @@ class CollectorMetrics:
         self.pruning_ratio = Gauge(
             _check_name("prunewatch_pruning_ratio"),
             "Measured share of dense linear-layer FLOPs not executed, last probe (0..1).",
-            ["model", "domain", "probe"], registry=r)
+            ["model", "domain", "probe", "target"], registry=r)
         self.inference_latency = Histogram(
             _check_name("prunewatch_inference_latency_seconds"),
-            "Prefill + decode wall time of a probe.", ["model", "domain"], buckets=LATENCY_BUCKETS, registry=r)
+            "Prefill + decode wall time of a probe.", ["model", "domain", "target"], buckets=LATENCY_BUCKETS, registry=r)
         self.tokens_per_second = Gauge(
             _check_name("prunewatch_tokens_per_second"),
-            "Completion tokens / inference time of the last probe.", ["model", "domain"], registry=r)
+            "Completion tokens / inference time of the last probe.", ["model", "domain", "target"], registry=r)
         self.probe_failures = Counter(
             _check_name("prunewatch_probe_failures"),
-            "Probes that failed, by reason.", ["model", "domain", "reason"], registry=r)
+            "Probes that failed, by reason.", ["model", "domain", "reason", "target"], registry=r)
         self.probe_results = Counter(
             _check_name("prunewatch_probe_results"),
-            "Probe results recorded, by status.", ["model", "domain", "status"], registry=r)
+            "Probe results recorded, by status.", ["model", "domain", "status", "target"], registry=r)
         self.preprocessing = Histogram(
             _check_name("prunewatch_preprocessing_latency_seconds"),
-            "Tokenize + plan time of a probe.", ["model", "domain"], buckets=PHASE_BUCKETS, registry=r)
+            "Tokenize + plan time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
         self.postprocessing = Histogram(
             _check_name("prunewatch_postprocessing_latency_seconds"),
-            "Detokenize + quality check + stats time of a probe.", ["model", "domain"], buckets=PHASE_BUCKETS,
+            "Detokenize + quality check + stats time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS,
             registry=r)
         self.ttft = Histogram(
             _check_name("prunewatch_time_to_first_token_seconds"),
-            "Request start to first generated token.", ["model", "domain"], buckets=PHASE_BUCKETS, registry=r)
+            "Request start to first generated token.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
         self.token_agreement = Gauge(
             _check_name("prunewatch_token_agreement"),
             "Teacher-forced argmax agreement of the pruned model with the dense model, last probe.",
-            ["model", "domain", "probe"], registry=r)
+            ["model", "domain", "probe", "target"], registry=r)
         self.dram_bytes_per_instruction = Gauge(
             _check_name("prunewatch_dram_bytes_per_instruction"),
             "DRAM bytes per instruction; source=ncu (measured) or estimate (model-level).",
-            ["model", "domain", "source"], registry=r)
+            ["model", "domain", "source", "target"], registry=r)
         self.last_success = Gauge(
             _check_name("prunewatch_last_success_timestamp_seconds"),
             "Unix time of the last successful probe per target.", ["model", "target"], registry=r)
@@ -142,28 +142,28 @@ class CollectorMetrics:
             self._changed()
 
     def _record(self, result: ProbeResult) -> None:
-        model, domain = result.model, result.domain
-        self.probe_results.labels(model, domain, result.status).inc()
+        model, domain, target = result.model, result.domain, result.target
+        self.probe_results.labels(model, domain, result.status, target).inc()
         if result.duration_ms is not None:
             self.probe_duration.labels(model, result.target, result.status).observe(result.duration_ms / 1000.0)
         if not result.ok:
-            self.probe_failures.labels(model, domain, result.failure_reason or "exception").inc()
+            self.probe_failures.labels(model, domain, result.failure_reason or "exception", target).inc()
             return
         if result.pruning_ratio is not None:  # absent (a baseline server) is not zero
-            self.pruning_ratio.labels(model, domain, result.probe_id).set(result.pruning_ratio)
+            self.pruning_ratio.labels(model, domain, result.probe_id, target).set(result.pruning_ratio)
         if result.inference_ms is not None:
-            self.inference_latency.labels(model, domain).observe(result.inference_ms / 1000.0)
+            self.inference_latency.labels(model, domain, target).observe(result.inference_ms / 1000.0)
         if result.tokens_per_s is not None:
-            self.tokens_per_second.labels(model, domain).set(result.tokens_per_s)
+            self.tokens_per_second.labels(model, domain, target).set(result.tokens_per_s)
         if result.preprocessing_ms is not None:
-            self.preprocessing.labels(model, domain).observe(result.preprocessing_ms / 1000.0)
+            self.preprocessing.labels(model, domain, target).observe(result.preprocessing_ms / 1000.0)
         if result.postprocessing_ms is not None:
-            self.postprocessing.labels(model, domain).observe(result.postprocessing_ms / 1000.0)
+            self.postprocessing.labels(model, domain, target).observe(result.postprocessing_ms / 1000.0)
         if result.ttft_ms is not None:
-            self.ttft.labels(model, domain).observe(result.ttft_ms / 1000.0)
+            self.ttft.labels(model, domain, target).observe(result.ttft_ms / 1000.0)
         if result.token_agreement is not None:
-            self.token_agreement.labels(model, domain, result.probe_id).set(result.token_agreement)
+            self.token_agreement.labels(model, domain, result.probe_id, target).set(result.token_agreement)
         if result.dram_bytes_per_instruction is not None:
-            self.dram_bytes_per_instruction.labels(model, domain, result.dram_source or "estimate").set(
+            self.dram_bytes_per_instruction.labels(model, domain, result.dram_source or "estimate", target).set(
                 result.dram_bytes_per_instruction)
         self.last_success.labels(model, result.target).set(result.created_at.timestamp())

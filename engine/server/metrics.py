@@ -19,6 +19,7 @@ from collector.metrics import LATENCY_BUCKETS, CollectorMetrics
 from engine.stats import RequestStats
 
 LIVE_PROBE = "live"
+SELF_TARGET = ""  # the collector's `target` label names a probed engine; an engine's own traffic has none
 NO_DOMAIN = "none"  # requests that ran dense (sensitivity 0, or no calibration): no domain matched
 
 # Traffic-weighted pruning ratio over live requests: the share of dense linear FLOPs skipped.
@@ -102,12 +103,12 @@ class ServerMetrics:
         self.executed_flops.labels(model, domain).inc(stats.executed_flops)
         self.dense_flops.labels(model, domain).inc(stats.dense_flops)
         if stats.domain is not None:
-            shared.pruning_ratio.labels(model, domain, LIVE_PROBE).set(stats.pruning_ratio)
-        shared.inference_latency.labels(model, domain).observe(stats.inference_ms / 1000.0)
-        shared.tokens_per_second.labels(model, domain).set(stats.tokens_per_s)
-        shared.preprocessing.labels(model, domain).observe(stats.preprocessing_ms / 1000.0)
-        shared.postprocessing.labels(model, domain).observe(stats.postprocessing_ms / 1000.0)
-        shared.ttft.labels(model, domain).observe(stats.ttft_ms / 1000.0)
+            shared.pruning_ratio.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.pruning_ratio)
+        shared.inference_latency.labels(model, domain, SELF_TARGET).observe(stats.inference_ms / 1000.0)
+        shared.tokens_per_second.labels(model, domain, SELF_TARGET).set(stats.tokens_per_s)
+        shared.preprocessing.labels(model, domain, SELF_TARGET).observe(stats.preprocessing_ms / 1000.0)
+        shared.postprocessing.labels(model, domain, SELF_TARGET).observe(stats.postprocessing_ms / 1000.0)
+        shared.ttft.labels(model, domain, SELF_TARGET).observe(stats.ttft_ms / 1000.0)
         if stats.dram_bytes_per_instruction is not None:
-            shared.dram_bytes_per_instruction.labels(model, domain, stats.dram_source).set(
+            shared.dram_bytes_per_instruction.labels(model, domain, stats.dram_source, SELF_TARGET).set(
                 stats.dram_bytes_per_instruction)

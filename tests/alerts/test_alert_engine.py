@@ -77,7 +77,8 @@ def test_latency_p99_from_stored_results() -> None:
 def test_comparisons_filter_and_keep_the_left_value() -> None:
     rows = [result(T0, "legal", "legal-1", ratio=0.5), result(T0, "tech", "tech-1", ratio=0.2)]
     assert evaluate("prunewatch_pruning_ratio > 0.3", rows, T0) == [
-        ({"__name__": "prunewatch_pruning_ratio", "domain": "legal", "model": "probe-llama", "probe": "legal-1"}, 0.5)]
+        ({"__name__": "prunewatch_pruning_ratio", "domain": "legal", "model": "probe-llama", "probe": "legal-1",
+          "target": "embedded"}, 0.5)]
     assert [v for _, v in evaluate("prunewatch_pruning_ratio > bool 0.3", rows, T0)] == [1.0, 0.0]
     assert evaluate("0.3 < prunewatch_pruning_ratio", rows, T0)[0][1] == 0.5
 

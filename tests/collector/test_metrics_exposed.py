@@ -15,7 +15,7 @@ def test_samples_after_one_ok_and_one_failed_result():
     metrics.record(ok_result())
     metrics.record(ok_result(status="failed", failure_reason="timeout", result_id="f" * 32))
     get = metrics.registry.get_sample_value
-    labels = {"model": "probe-llama", "domain": "tech"}
+    labels = {"model": "probe-llama", "domain": "tech", "target": "embedded"}
     assert get("prunewatch_pruning_ratio", {**labels, "probe": "tech-route"}) == 0.3125
     assert get("prunewatch_tokens_per_second", labels) == 19.04
     assert get("prunewatch_inference_latency_seconds_count", labels) == 1
@@ -36,7 +36,21 @@ def test_absent_ratio_is_not_exported_as_zero():
     metrics = CollectorMetrics(CollectorRegistry())
     metrics.record(ok_result(pruning_ratio=None, ratio_source=None))
     assert metrics.registry.get_sample_value(
-        "prunewatch_pruning_ratio", {"model": "probe-llama", "domain": "tech", "probe": "tech-route"}) is None
+        "prunewatch_pruning_ratio", {"model": "probe-llama", "domain": "tech", "probe": "tech-route",
+                                     "target": "embedded"}) is None
+
+
+def test_two_targets_serving_the_same_model_keep_separate_series():
+    metrics = CollectorMetrics(CollectorRegistry())
+    metrics.record(ok_result(target="gpu-a", pruning_ratio=0.40))
+    metrics.record(ok_result(target="gpu-b", pruning_ratio=0.20, result_id="b" * 32))
+    get = metrics.registry.get_sample_value
+    labels = {"model": "probe-llama", "domain": "tech", "probe": "tech-route"}
+    assert get("prunewatch_pruning_ratio", {**labels, "target": "gpu-a"}) == 0.40
+    assert get("prunewatch_pruning_ratio", {**labels, "target": "gpu-b"}) == 0.20
+    for target in ("gpu-a", "gpu-b"):
+        assert get("prunewatch_inference_latency_seconds_count",
+                   {"model": "probe-llama", "domain": "tech", "target": target}) == 1
 
 
 def test_served_over_http():
@@ -48,7 +62,8 @@ def test_served_over_http():
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         server.shutdown()
-    assert 'prunewatch_pruning_ratio{domain="tech",model="probe-llama",probe="tech-route"} 0.3125' in body
-    assert 'prunewatch_inference_latency_seconds_bucket{domain="tech",le="0.8",model="probe-llama"} 1.0' in body
+    assert 'prunewatch_pruning_ratio{domain="tech",model="probe-llama",probe="tech-route",target="embedded"} 0.3125' in body
+    assert ('prunewatch_inference_latency_seconds_bucket{domain="tech",le="0.8",model="probe-llama",target="embedded"} 1.0'
+            in body)
     assert "# TYPE prunewatch_probe_failures_total counter" in body
     assert "# TYPE prunewatch_tokens_per_second gauge" in body

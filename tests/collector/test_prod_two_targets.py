@@ -51,3 +51,8 @@ def test_in_process_and_http_targets_in_one_run(postgres, probe_engine, tmp_path
                                                  {"model": probe_engine.name, "target": target}) > 0
         assert metrics.registry.get_sample_value("prunewatch_probe_duration_seconds_count",
                                                  {"model": probe_engine.name, "target": target, "status": "ok"}) == 2
+        # Same model behind both targets: each keeps its own per-probe series, none overwrites the other's.
+        for probe in SMALL_PROBES.probes:
+            assert metrics.registry.get_sample_value(
+                "prunewatch_pruning_ratio", {"model": probe_engine.name, "domain": probe.domain, "probe": probe.id,
+                                             "target": target}) == stored[(target, probe.id)].pruning_ratio

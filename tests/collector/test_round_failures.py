@@ -68,9 +68,10 @@ def test_failures_become_rows_and_counter_increments(tmp_path):
     assert rows[SECOND.id].pruning_ratio is None
     assert rows[THIRD.id].failure_reason == "invalid_request"
     get = metrics.registry.get_sample_value
-    assert get("prunewatch_probe_failures_total", {"model": "fake", "domain": "tech", "reason": "timeout"}) == 1
-    assert get("prunewatch_probe_failures_total", {"model": "fake", "domain": "tech", "reason": "invalid_request"}) == 1
-    assert get("prunewatch_probe_results_total", {"model": "fake", "domain": "tech", "status": "ok"}) == 1
+    labels = {"model": "fake", "domain": "tech", "target": ScriptedTarget.name}
+    assert get("prunewatch_probe_failures_total", {**labels, "reason": "timeout"}) == 1
+    assert get("prunewatch_probe_failures_total", {**labels, "reason": "invalid_request"}) == 1
+    assert get("prunewatch_probe_results_total", {**labels, "status": "ok"}) == 1
     with Session(db) as session:
         from collector.store.models import RoundRow
 

@@ -483,7 +483,8 @@ def test_metrics_count_live_traffic(http: httpx.Client, engine: PruningEngine, r
     assert value("prunewatch_requests_total", denied) == before["denied"] + 1
     assert value("prunewatch_completion_tokens_total", {"model": model}) == (
         tokens_before + response.json()["usage"]["completion_tokens"])
-    assert value("prunewatch_pruning_ratio", {"model": model, "domain": stats["domain"], "probe": "live"}) == (
+    assert value("prunewatch_pruning_ratio", {"model": model, "domain": stats["domain"], "probe": "live",
+                                              "target": ""}) == (
         stats["pruning_ratio"])
     exposition = http.get("/metrics", headers=AUTH)
     assert exposition.status_code == 200
