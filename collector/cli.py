@@ -43,6 +43,7 @@ def collect_command(
     """The production collector: every configured target on its schedule, PostgreSQL, nothing lost."""
     from pydantic import ValidationError
 
+    from collector.exposition import MetricsPortError
     from collector.fleet import FleetSettings, build_jobs, run_collector
     from collector.spool import SpoolError
     from collector.store import StoreUnavailableError, connect
@@ -72,7 +73,7 @@ def collect_command(
 
     try:
         outcome = run_collector(settings, jobs, on_round=on_round)
-    except (SpoolError, StoreUnavailableError) as exc:
+    except (SpoolError, StoreUnavailableError, MetricsPortError) as exc:
         raise fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)

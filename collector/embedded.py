@@ -7,12 +7,12 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import start_http_server
 from rich.console import Console
 from rich.live import Live
 
 from collector.exporters import LogExporter, SqlExporter
 from collector.live_table import round_table
+from collector.exposition import start_metrics_server
 from collector.metrics import CollectorMetrics
 from collector.probe_round import RoundSummary
 from collector.scheduler import ProbeScheduler
@@ -53,31 +53,35 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
                  calibration_dir: Path | None = None) -> RunOutcome:
     """Validate everything, then load, calibrate, schedule and run until done or interrupted.
 
-    Order matters for "nothing written on bad input": the model folder, the probes and the
-    database connection are all checked before the first row (or the SQLite file) is written.
+    Order matters for "nothing written on bad input": the model folder, the probes, the /metrics
+    address and the database connection are all checked before the first row (or the SQLite
+    file) is written.
     """
     console = console or Console(width=None if Console().is_terminal else 132)
     check_model_dir(settings.model_dir)
     probe_set = load_probes(settings.probes_path)
-    db = connect(settings.db_url)
-    alerting = _embedded_alerting(settings, db) if settings.alerts else None
-
-    with console.status("loading model"):
-        engine = PruningEngine.load(EngineSettings(model_dir=settings.model_dir, device=settings.device,
-                                                   sensitivity=settings.sensitivity, calibration_dir=calibration_dir,
-                                                   activation_sparsity=settings.activation_sparsity))
-    texts = probe_set.calibration_texts()
-    with console.status("calibrating"):
-        calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)
-    console.print(f"model {engine.name} on {engine.loaded.device.type} ({engine.num_layers} layers); calibration "
-                  f"{'loaded from cache' if cached else 'measured'} for domains {sorted(calibration.domains)}")
-    create_schema(db)
-
     metrics = CollectorMetrics()
     server = None
-    if settings.metrics_port:
-        server, _thread = start_http_server(settings.metrics_port, addr=settings.metrics_host,
-                                            registry=metrics.registry)
+    if settings.metrics_port:  # bound first: a taken port fails before the model loads or a file is written
+        server, _thread = start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)
+    try:
+        db = connect(settings.db_url)
+        alerting = _embedded_alerting(settings, db) if settings.alerts else None
+        with console.status("loading model"):
+            engine = PruningEngine.load(EngineSettings(
+                model_dir=settings.model_dir, device=settings.device, sensitivity=settings.sensitivity,
+                calibration_dir=calibration_dir, activation_sparsity=settings.activation_sparsity))
+        texts = probe_set.calibration_texts()
+        with console.status("calibrating"):
+            calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)
+        create_schema(db)
+    except BaseException:
+        if server is not None:
+            server.shutdown()
+        raise
+    console.print(f"model {engine.name} on {engine.loaded.device.type} ({engine.num_layers} layers); calibration "
+                  f"{'loaded from cache' if cached else 'measured'} for domains {sorted(calibration.domains)}")
+    if server is not None:
         console.print(f"metrics on http://{settings.metrics_host}:{settings.metrics_port}/metrics")
 
     sql = SqlExporter(db)

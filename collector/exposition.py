@@ -47,9 +47,15 @@ class CachedExposition:
             return self._gzipped
 
 
+class MetricsPortError(RuntimeError):
+    """The /metrics endpoint cannot listen where it was asked to (port taken, address not local)."""
+
+
 def start_metrics_server(metrics: CollectorMetrics, host: str,
                          port: int) -> tuple[ThreadingHTTPServer, threading.Thread]:
-    """Serve GET /metrics on host:port in a daemon thread; call `.shutdown()` on the server to stop."""
+    """Serve GET /metrics on host:port in a daemon thread; call `.shutdown()` on the server to stop.
+
+    Raises MetricsPortError when the address cannot be bound, before any probe runs."""
     exposition = CachedExposition(metrics)
 
     class Handler(BaseHTTPRequestHandler):
@@ -70,7 +76,11 @@ def start_metrics_server(metrics: CollectorMetrics, host: str,
         def log_message(self, format: str, *args) -> None:  # scrapes are not news
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        raise MetricsPortError(f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}; "
+                               "choose another --metrics-port (0 disables the endpoint)") from exc
     server.daemon_threads = True
     server.exposition = exposition  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, name="prunewatch-metrics", daemon=True)

@@ -66,7 +66,7 @@ def run(
     model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
     sensitivity: float = typer.Option(0.5, help="Pruning sensitivity in [0, 1]; 0 runs dense."),
     activation_sparsity: float = typer.Option(
-        0.0, help="Activation-sparsity target at sensitivity 1, in [0, 1) (CPU sparse kernel; 0: layer bypass only)."),
+        0.0, help="Activation-sparsity target at sensitivity 1, in [0, 1) (sparse kernel; 0: bypass and head gating only)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
@@ -77,6 +77,7 @@ def run(
     from pydantic import ValidationError
 
     from collector.embedded import run_embedded
+    from collector.exposition import MetricsPortError
     from collector.settings import CollectorSettings
     from collector.store import StoreUnavailableError
     from engine.errors import EngineError
@@ -95,7 +96,7 @@ def run(
         raise fail(first_validation_error(exc))
     try:
         outcome = run_embedded(settings)
-    except (EngineError, ProbeFileError, StoreUnavailableError) as exc:
+    except (EngineError, ProbeFileError, StoreUnavailableError, MetricsPortError) as exc:
         raise fail(str(exc))
     typer.echo(f"done: {outcome.rounds} round(s), {outcome.results} probe result(s), {outcome.failures} failed; "
                f"store {settings.db_url}")

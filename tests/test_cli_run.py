@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, needle: str) -> 
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("case", ["missing-folder", "no-weights", "bad-probes", "bad-db", "sensitivity"])
+@pytest.mark.parametrize("case", ["missing-folder", "no-weights", "bad-probes", "bad-db", "sensitivity", "port-taken"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_dir, case):
     db = tmp_path / "out.db"
     args = ["run", "--rounds", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", "--model", str(probe_model_dir)]
@@ -83,6 +84,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_d
         "bad-probes": "max_tokens: Field required",
         "bad-db": "cannot connect to database",
         "sensitivity": "sensitivity: Input should be less than or equal to 1",
+        "port-taken": "cannot serve /metrics on 127.0.0.1:",
     }[case]
     if case == "missing-folder":
         args[-1] = str(tmp_path / "nowhere")
@@ -99,7 +101,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_d
         args[args.index("--db") + 1] = "postgresql+psycopg://u:p@127.0.0.1:1/x"
     elif case == "sensitivity":
         args += ["--sensitivity", "1.5"]
-    result = run_cli(*args, timeout=120)
+    taken = socket.socket()
+    if case == "port-taken":
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args[args.index("--metrics-port") + 1] = str(taken.getsockname()[1])
+    try:
+        result = run_cli(*args, timeout=120)
+    finally:
+        taken.close()
     _assert_one_line_error(result, needle)
     assert not db.exists()
 
