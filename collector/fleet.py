@@ -147,9 +147,12 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
                   stop: threading.Event | None = None, metrics: CollectorMetrics | None = None) -> FleetOutcome:
     """Probe every job's target on its schedule until the requested rounds are done or `stop` is set."""
     db = connect(settings.db_url, check=False)  # a bad URL fails here, before any file is written
+    metrics = metrics or CollectorMetrics()
+    server = None
+    if settings.metrics_port:  # a taken port fails before the buffer, a migration or the store thread
+        server, _thread = start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)
     spool = DiskSpool(settings.buffer_path, store_fingerprint=settings.store_fingerprint(),
                       max_results=settings.buffer_max_results)
-    metrics = metrics or CollectorMetrics()
     store = BufferedStore(db, spool, metrics=metrics, batch_size=settings.batch_size,
                           backoff=Backoff(settings.backoff_initial_s, settings.backoff_max_s))
     try:
@@ -164,9 +167,6 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
     store.start()
     pusher = Pushgateway(settings.pushgateway_url, metrics.registry, job=settings.pushgateway_job) \
         if settings.pushgateway_url else None
-    server = None
-    if settings.metrics_port:
-        server, _thread = start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)
     totals = {"rounds": 0, "results": 0, "failures": 0}
 
     def round_done(summary: RoundSummary) -> None:

@@ -46,3 +46,20 @@ def test_collect_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch):
     assert result.output.strip() == ("error: invalid database URL nonsense://: Can't load plugin: "
                                      "sqlalchemy.dialects:nonsense")
     assert list(tmp_path.iterdir()) == [config]  # no buffer file, no store file
+
+
+def test_collect_on_a_taken_metrics_port_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "targets.yaml"
+    config.write_text(f"collector:\n  db_url: sqlite:///{tmp_path / 'store.db'}\n"
+                      "targets:\n  - {name: a, kind: openai, base_url: 'http://127.0.0.1:9', model: m}\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app(), ["--config", str(config), "--rounds", "1", "--metrics-port", str(port)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1].startswith(f"error: cannot serve /metrics on 127.0.0.1:{port}: ")
+    assert list(tmp_path.iterdir()) == [config]  # no buffer file, no store file
