@@ -21,7 +21,6 @@ from engine.execution import (
     ExecutionLedger,
     ExecutionPlan,
     current_execution,
-    record_linear_work,
 )
 from engine.sparse.calibration import LayerThresholds
 from engine.sparse.kernel import device_kernel
@@ -84,7 +83,11 @@ class SparseLinear(nn.Module):
         self.register_buffer("weight_t", weight_t, persistent=False)
         self.register_buffer("scale", scale.to(weight.device, torch.float32).contiguous(), persistent=False)
         self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
-        self._kernel_device = weight.device.type  # a model moved after installing resolves per call
+        self._kernel_is_cuda = weight.device.type == "cuda"  # a model moved after installing resolves per call
+        self._bias = (linear.bias,)  # a tuple: read per call without nn.Module's attribute lookup
+        self._dense_flops_per_row = 2 * self.in_features * self.out_features
+        self._flops_per_active_row = 2 * self.out_features  # per active input channel and token row
+        self._bytes_per_active = self.out_features * weight_t.element_size()  # one weight row read
         self._thresholds_by_target: dict[float, float] = {}
 
     def __getattr__(self, name: str):
@@ -112,27 +115,30 @@ class SparseLinear(nn.Module):
         target = plan.sparsity_for(self.layer)
         if target <= 0.0:
             return self.linear(x)
-        rows = x.numel() // self.in_features
-        dense_flops = 2 * self.in_features * self.out_features * rows
+        in_features = self.in_features
+        rows = x.numel() // in_features
+        dense_flops = self._dense_flops_per_row * rows
         ledger.sparse_dense_flops += dense_flops
-        ledger.sparse_input_entries += rows * self.in_features
-        keep = self._shared_keep(plan, x, target)
+        ledger.sparse_input_entries += rows * in_features
+        keep = -1 if plan.sparsity_policy != "shared" else self._shared_keep(plan, x, target)
         threshold = self._thresholds_by_target.get(target)
         if threshold is None:
             threshold = self._thresholds_by_target.setdefault(target, self.thresholds.at(target))
         if rows > self.max_kernel_rows:
             return self._masked_dense(x, ledger, threshold, keep, dense_flops)
-        buffers = self._buffers  # direct: attribute lookup through nn.Module costs more than the kernel call
-        weight_t = buffers["weight_t"]
-        kernel = self._kernel if x.device.type == self._kernel_device else device_kernel(x.device)
-        output, active, kept = kernel(x.reshape(rows, self.in_features), weight_t,
-                                      self._modules["linear"].bias, buffers["scale"], threshold, keep,
-                                      self.kernel_threads)
-        executed = 2 * active * self.out_features * rows
-        record_linear_work(executed, active * self.out_features * weight_t.element_size())
+        # The decode hot path (~7 calls per block per token): buffers read directly, the bias and
+        # per-channel costs precomputed, and the work counted on the ledger in hand rather than
+        # through record_linear_work, which would look the active execution up again.
+        buffers = self._buffers
+        kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
+        output, active, kept = kernel(x if x.dim() == 2 else x.reshape(rows, in_features), buffers["weight_t"],
+                                      self._bias[0], buffers["scale"], threshold, keep, self.kernel_threads)
+        executed = self._flops_per_active_row * active * rows
+        ledger.executed_flops += executed
+        ledger.weight_bytes_read += self._bytes_per_active * active
         ledger.sparse_executed_flops += executed
         ledger.sparse_kept_entries += kept
-        return output.reshape(*x.shape[:-1], self.out_features)
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 
     def _shared_keep(self, plan: ExecutionPlan, x: torch.Tensor, target: float) -> int:
         """Channels the rows share under the shared policy at a decode step; -1 for the row policy."""
