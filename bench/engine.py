@@ -507,10 +507,11 @@ def _targets(rows: list[SpeedRow], quality: list[QualityRow], device: str = "cpu
     b1 = [r for r in rows if r.batch == 1 and r.sparsity >= 0.45]
     if b1:
         best = min(b1, key=lambda r: r.fraction_of_bound)  # every sparsity >= 0.45 must reach it: the worst row
+        alone = min(r.fraction_of_bound_vs_kernel for r in b1)  # ... and its own worst row
         checks.append({"target": f"{device.upper()} batch 1, every s >= 0.45: speedup >= 90% of 1/(1 - s f)",
                        "reached": best.fraction_of_bound, "met": best.fraction_of_bound >= 0.9,
-                       "reached_vs_kernel_all_channels": best.fraction_of_bound_vs_kernel,
-                       "met_by_skipping_alone": best.fraction_of_bound_vs_kernel >= 0.9,
+                       "reached_vs_kernel_all_channels": alone,
+                       "met_by_skipping_alone": alone >= 0.9,
                        "row": {"sparsity": best.sparsity, "speedup": best.speedup, "bound": best.bound,
                                "speedup_vs_kernel": best.speedup_vs_kernel}})
     for policy in ("row", "shared"):
