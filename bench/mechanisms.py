@@ -142,6 +142,7 @@ def run(grid: tuple[Mechanisms, ...], out: Path, plot: Path | None, *, model_dir
             shift = index % len(grid)
             for config in grid[shift:] + grid[:shift]:  # rotate the order per probe
                 engine.settings = base.model_copy(update={
+                    # the setting must be > 0; a budget of 1e-9 of the total influence bypasses no block
                     "influence_budget": max(config.influence_budget, 1e-9),
                     "head_budget": config.head_budget,
                     "activation_sparsity": config.activation_sparsity,

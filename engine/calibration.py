@@ -24,8 +24,14 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from engine.errors import CalibrationMismatchError
-from engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
-from engine.heads import HeadGating
+from engine.execution import (
+    ExecutionLedger,
+    ExecutionPlan,
+    InstrumentedModel,
+    executing,
+)
+from engine.heads import HeadGatedProjection, HeadGating
+from engine.sparse.targets import is_conv1d
 
 CALIBRATION_FORMAT_VERSION = 2
 
@@ -88,12 +94,12 @@ def mean_token_direction(embeddings: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(unit.mean(dim=0), dim=0)  # (C,)
 
 
-def _head_writes(x: torch.Tensor, projection, heads: int, head_dim: int) -> torch.Tensor:
+def _head_writes(x: torch.Tensor, projection: HeadGatedProjection, heads: int, head_dim: int) -> torch.Tensor:
     """Norm of each head's write into the residual stream: (B, T, H) from o_proj's input (B, T, H*d)."""
-    linear = getattr(projection.inner, "linear", projection.inner)
+    linear = projection.dense_layer()
     weight = linear.weight.float()
     per_head = x.float().reshape(*x.shape[:-1], heads, head_dim)  # (B, T, H, d)
-    if type(linear).__name__ == "Conv1D":  # (in, out)
+    if is_conv1d(linear):  # (in, out)
         w = weight.reshape(heads, head_dim, -1)  # (H, d, out)
         writes = torch.einsum("bthd,hdo->btho", per_head, w)
     else:  # (out, in)

@@ -102,14 +102,14 @@ def profile_dram(
     """Measure one decode step of the model under ncu at each sparsity level (engine.ncu)."""
     if not sparsities or any(not 0.0 <= s < 1.0 for s in sparsities):
         raise ValueError(f"sparsity levels must be in [0, 1), got {list(sparsities)}")
+    wanted = sorted(set(sparsities))
     levels = []
-    for index, sparsity in enumerate(sorted(set(sparsities))):
+    for index, sparsity in enumerate(wanted):
         measured = measure_decode_step(sparsity=sparsity, batch=batch, dtype=dtype, model_dir=model_dir, ncu=ncu,
-                                       timeout_s=timeout_s)
-        levels.append(DramLevel(sparsity=sparsity, dram_bytes_read=measured.dram_bytes_read,
-                                instructions=measured.instructions, kernels=measured.kernels,
-                                bytes_per_instruction=measured.bytes_per_instruction))
+                                       timeout_s=timeout_s).to_dict()
+        del measured["source"]  # every level of a profile is measured by ncu
+        levels.append(DramLevel(sparsity=sparsity, **measured))
         if progress is not None:
-            progress(index + 1, len(set(sparsities)))
+            progress(index + 1, len(wanted))
     return DramProfile(model_fingerprint=model_fingerprint, device_name=device_name, dtype=dtype, batch=batch,
                        levels=levels)

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.execution import InstrumentedModel, current_execution, record_linear_work
+from engine.sparse.module import SparseLinear
+from engine.sparse.targets import is_conv1d
 
 Role = Literal["output", "input"]
 
@@ -76,18 +78,6 @@ class AttentionShape:
         return tuple(ranges)
 
 
-def _dense_linear(module: nn.Module) -> nn.Module:
-    """The plain linear under an activation-sparsity wrapper (or the module itself)."""
-    return getattr(module, "linear", module) if type(module).__name__ == "SparseLinear" else module
-
-
-def _sparsity_active(module: nn.Module, layer: int) -> bool:
-    if type(module).__name__ != "SparseLinear":
-        return False
-    execution = current_execution()
-    return execution is not None and execution[0].sparsity_for(layer) > 0.0
-
-
 class HeadGatedProjection(nn.Module):
     """An attention projection that skips the features of the heads the active plan gates."""
 
@@ -100,6 +90,7 @@ class HeadGatedProjection(nn.Module):
         self.shape = shape
         self.segments = segments
         self._ranges: dict[frozenset[int], tuple[tuple[int, int], ...]] = {}
+        self._masks: dict[tuple[frozenset[int], int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def __getattr__(self, name: str):
         # attention code may read `weight`, `bias` or `out_features` off its projections.
@@ -117,31 +108,46 @@ class HeadGatedProjection(nn.Module):
             ranges = self._ranges.setdefault(gated, self.shape.kept_ranges(self.segments, gated))
         return ranges
 
+    def dense_layer(self) -> nn.Module:
+        """The plain linear (or Conv1D) this projection computes, under any activation-sparsity wrapper."""
+        return self.inner.linear if isinstance(self.inner, SparseLinear) else self.inner
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         execution = current_execution()
         if execution is None:
             return self.inner(x)
-        gated = execution[0].heads_gated_in(self.layer)
+        plan = execution[0]
+        gated = plan.heads_gated_in(self.layer)
         if not gated:
             return self.inner(x)
         ranges = self.kept(gated)
+        # With activation sparsity on this layer the kernel does the work (and counts it).
+        sparse = isinstance(self.inner, SparseLinear) and plan.sparsity_for(self.layer) > 0.0
         if self.role == "input":
-            return self._input_gated(x, ranges)
-        return self._output_gated(x, ranges)
+            return self._input_gated(x, gated, ranges, sparse)
+        return self._output_gated(x, gated, ranges, sparse)
+
+    def _mask(self, gated: frozenset[int], ranges: tuple[tuple[int, int], ...], like: torch.Tensor) -> torch.Tensor:
+        """1 on kept features, 0 on gated ones; built once per gated set, dtype and device."""
+        key = (gated, like.shape[-1], like.dtype, like.device)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = torch.zeros(like.shape[-1], dtype=like.dtype, device=like.device)
+            for start, end in ranges:
+                mask[start:end] = 1
+            mask = self._masks.setdefault(key, mask)
+        return mask
 
     def _weight(self) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """(weight, bias, stored_in_by_out) of the dense layer: Conv1D stores (in, out)."""
-        linear = _dense_linear(self.inner)
-        conv1d = type(linear).__name__ == "Conv1D"
-        return linear.weight, getattr(linear, "bias", None), conv1d
+        linear = self.dense_layer()
+        return linear.weight, getattr(linear, "bias", None), is_conv1d(linear)
 
-    def _output_gated(self, x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        if _sparsity_active(self.inner, self.layer):
+    def _output_gated(self, x: torch.Tensor, gated: frozenset[int], ranges: tuple[tuple[int, int], ...],
+                      sparse: bool) -> torch.Tensor:
+        if sparse:
             out = self.inner(x)  # the kernel computes every column and counts it so
-            mask = torch.zeros(out.shape[-1], dtype=out.dtype, device=out.device)
-            for start, end in ranges:
-                mask[start:end] = 1
-            return out * mask
+            return out * self._mask(gated, ranges, out)
         weight, bias, conv1d = self._weight()
         out_features = weight.shape[1] if conv1d else weight.shape[0]
         in_features = x.shape[-1]
@@ -154,12 +160,10 @@ class HeadGatedProjection(nn.Module):
         self._record(x, in_features * kept, weight.element_size())
         return out
 
-    def _input_gated(self, x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        if _sparsity_active(self.inner, self.layer):
-            mask = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
-            for start, end in ranges:
-                mask[start:end] = 1
-            return self.inner(x * mask)  # the kernel never reads the weight rows of zero inputs
+    def _input_gated(self, x: torch.Tensor, gated: frozenset[int], ranges: tuple[tuple[int, int], ...],
+                      sparse: bool) -> torch.Tensor:
+        if sparse:
+            return self.inner(x * self._mask(gated, ranges, x))  # the kernel never reads zero inputs' rows
         weight, bias, conv1d = self._weight()
         out_features = weight.shape[1] if conv1d else weight.shape[0]
         out = None

@@ -13,6 +13,7 @@ from engine import EngineSettings, PruningEngine
 from engine.execution import ExecutionLedger, ExecutionPlan, executing
 from engine.heads import HeadGatedProjection
 from probes import load_probes
+from tests.engine.test_bypass import _gated_flops_per_row
 from tests.engine.test_families import FAMILIES, family_dirs  # noqa: F401,F811  (fixture)
 
 PROBES = load_probes().probes
@@ -77,13 +78,19 @@ def test_kv_cache_is_consistent_under_a_head_gating_plan(probe_engine):
     gated = tuple(frozenset({1, 4}) if i in (2, 5) else frozenset({0, 1, 2}) if i == 8 else frozenset()
                   for i in range(probe_engine.num_layers))
     plan = ExecutionPlan(gated_heads=gated)
-    cached = list(probe_engine._decode(ids, plan, ExecutionLedger(), 12, use_cache=True))
+    ledger, dense_ledger = ExecutionLedger(), ExecutionLedger()
+    cached = list(probe_engine._decode(ids, plan, ledger, 12, use_cache=True))
     uncached = list(probe_engine._decode(ids, plan, ExecutionLedger(), 12, use_cache=False))
-    dense = list(probe_engine._decode(ids, ExecutionPlan(), ExecutionLedger(), 12, use_cache=True))
+    list(probe_engine._decode(ids, ExecutionPlan(), dense_ledger, len(cached), use_cache=True))
     assert cached == uncached
     assert plan.heads_gated == 7
-    # layer 8 gates the 3 query heads of key/value head 0: k and v skip it, so the plan is not dense.
-    assert cached != dense or plan.skips_work
+    # Layer 8 gates the 3 query heads of key/value head 0, so its k and v rows are skipped too.
+    config = probe_engine.loaded.model.config
+    blocks = probe_engine.instrumented.blocks
+    per_row = sum(_gated_flops_per_row(blocks[i].block, gated[i], config.num_attention_heads,
+                                       config.num_key_value_heads) for i in range(probe_engine.num_layers))
+    rows = len(ids) + len(cached) - 1  # the prefill, then one row per decode step after the first token
+    assert dense_ledger.executed_flops - ledger.executed_flops == per_row * rows
 
 
 def test_calibration_measures_every_head_of_every_block(probe_engine):
