@@ -277,6 +277,8 @@ def diagnose_in_process(spec: ResolvedTarget, probe_set: ProbeSet, *, calibratio
     else:
         try:
             engine.use_calibration(Calibration.load(path))
+            if engine.settings.activation_sparsity > 0.0:  # probe the engine as the collector runs it
+                engine.enable_activation_sparsity(probe_set.calibration_texts(), probe_set.digest)
             checks.append(_pass("calibration", f"{path.name} matches the model's weights fingerprint"))
         except EngineError as exc:
             checks.append(_fail("calibration", str(exc), "recalibrate: prunewatch calibrate --model DIR"))

@@ -68,9 +68,11 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         db = connect(settings.db_url)
         alerting = _embedded_alerting(settings, db) if settings.alerts else None
         with console.status("loading model"):
+            overrides = ({} if settings.activation_sparsity is None
+                         else {"activation_sparsity": settings.activation_sparsity})
             engine = PruningEngine.load(EngineSettings(
                 model_dir=settings.model_dir, device=settings.device, sensitivity=settings.sensitivity,
-                calibration_dir=calibration_dir, activation_sparsity=settings.activation_sparsity))
+                calibration_dir=calibration_dir, **overrides))
         texts = probe_set.calibration_texts()
         with console.status("calibrating"):
             calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)

@@ -24,12 +24,20 @@ TargetKind = Literal["prunewatch", "openai"]
 
 SENSITIVITY_HEADER = "X-Pruning-Sensitivity"
 BLACKLIST_HEADER = "X-Pruning-Blacklist"
+QUALITY_HEADER = "X-Pruning-Quality"
 RATIO_HEADER = "X-Pruning-Ratio"
 STATS_HEADER = "X-Pruning-Stats"
 MS_HEADERS = {  # header -> ProbeResult field
     "X-Prunewatch-Preprocessing-Ms": "preprocessing_ms",
     "X-Prunewatch-Inference-Ms": "inference_ms",
     "X-Prunewatch-Postprocessing-Ms": "postprocessing_ms",
+    "X-Prunewatch-Quality-Ms": "quality_ms",
+}
+STATS_HEADER_FIELDS = {  # X-Pruning-Stats key -> ProbeResult field, read when the body lacks the figure
+    "prefill_ratio": "prefill_pruning_ratio",
+    "decode_ratio": "decode_pruning_ratio",
+    "agreement": "token_agreement",
+    "ppl_delta_pct": "perplexity_delta_pct",
 }
 
 
@@ -149,6 +157,14 @@ def observation_from_response(response: httpx.Response, *, configured_model: str
     heads = stats.get("heads_gated", header_stats.get("heads_gated"))
     fields["heads_gated"] = _int(heads)
     fields["activation_sparsity"] = _float(stats.get("sparsity", header_stats.get("sparsity")))
+    quality = stats.get("quality") if isinstance(stats.get("quality"), dict) else {}
+    body_figures = {"prefill_pruning_ratio": stats.get("prefill_pruning_ratio"),
+                    "decode_pruning_ratio": stats.get("decode_pruning_ratio"),
+                    "token_agreement": quality.get("token_agreement"),
+                    "perplexity_delta_pct": quality.get("perplexity_delta_pct")}
+    for key, name in STATS_HEADER_FIELDS.items():
+        value = _float(body_figures[name])
+        fields[name] = _float(header_stats.get(key)) if value is None else value
     fields["matched_domain"] = stats.get("domain")
     fields["fallback_reason"] = stats.get("fallback_reason")
     fields["dram_source"] = stats.get("dram_source") if fields["dram_bytes_per_instruction"] is not None else None
@@ -206,6 +222,7 @@ class HttpTarget:
                 headers[SENSITIVITY_HEADER] = repr(float(self.sensitivity))
             if self.layer_blacklist:
                 headers[BLACKLIST_HEADER] = ",".join(str(i) for i in self.layer_blacklist)
+            headers[QUALITY_HEADER] = "on"  # every probe is scored against the dense model
         return headers
 
     def request(self, method: str, path: str, *, json_body: Mapping[str, Any] | None = None,

@@ -23,6 +23,8 @@ PROBE_DURATION_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 # -- derived figures (PromQL) ---------------------------------------------------------------
 PROMQL_RATIO_AVG_24H = "avg by (model, domain) (avg_over_time(prunewatch_pruning_ratio[24h]))"
 PROMQL_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_pruning_ratio)"
+PROMQL_DECODE_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_decode_pruning_ratio)"
+PROMQL_PREFILL_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_prefill_pruning_ratio)"
 PROMQL_LATENCY_P99 = (
     "histogram_quantile(0.99, sum by (le, model, domain) (rate(prunewatch_inference_latency_seconds_bucket[5m])))"
 )
@@ -51,6 +53,14 @@ class CollectorMetrics:
             _check_name("prunewatch_pruning_ratio"),
             "Measured share of dense linear-layer FLOPs not executed, last probe (0..1).",
             ["model", "domain", "probe", "target"], registry=r)
+        self.prefill_pruning_ratio = Gauge(
+            _check_name("prunewatch_prefill_pruning_ratio"),
+            "Measured pruning ratio of the prompt's forward pass alone, last probe (0..1).",
+            ["model", "domain", "probe", "target"], registry=r)
+        self.decode_pruning_ratio = Gauge(
+            _check_name("prunewatch_decode_pruning_ratio"),
+            "Measured pruning ratio of the decode steps alone, last probe (0..1): where skipping saves time.",
+            ["model", "domain", "probe", "target"], registry=r)
         self.inference_latency = Histogram(
             _check_name("prunewatch_inference_latency_seconds"),
             "Prefill + decode wall time of a probe.", ["model", "domain", "target"], buckets=LATENCY_BUCKETS, registry=r)
@@ -68,8 +78,12 @@ class CollectorMetrics:
             "Tokenize + plan time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
         self.postprocessing = Histogram(
             _check_name("prunewatch_postprocessing_latency_seconds"),
-            "Detokenize + quality check + stats time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS,
+            "Detokenize + stats time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS,
             registry=r)
+        self.quality_check = Histogram(
+            _check_name("prunewatch_quality_check_latency_seconds"),
+            "Dense re-run + teacher-forced scoring time of a probe's quality check.", ["model", "domain", "target"],
+            buckets=PROBE_DURATION_BUCKETS, registry=r)
         self.ttft = Histogram(
             _check_name("prunewatch_time_to_first_token_seconds"),
             "Request start to first generated token.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
@@ -151,6 +165,12 @@ class CollectorMetrics:
             return
         if result.pruning_ratio is not None:  # absent (a baseline server) is not zero
             self.pruning_ratio.labels(model, domain, result.probe_id, target).set(result.pruning_ratio)
+        if result.prefill_pruning_ratio is not None:
+            self.prefill_pruning_ratio.labels(model, domain, result.probe_id, target).set(result.prefill_pruning_ratio)
+        if result.decode_pruning_ratio is not None:
+            self.decode_pruning_ratio.labels(model, domain, result.probe_id, target).set(result.decode_pruning_ratio)
+        if result.quality_ms is not None:
+            self.quality_check.labels(model, domain, target).observe(result.quality_ms / 1000.0)
         if result.inference_ms is not None:
             self.inference_latency.labels(model, domain, target).observe(result.inference_ms / 1000.0)
         if result.tokens_per_s is not None:

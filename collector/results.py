@@ -37,6 +37,8 @@ class ProbeResult:
     error_message: str | None = None
     sensitivity: float | None = None
     pruning_ratio: float | None = None
+    prefill_pruning_ratio: float | None = None  # the prompt's forward pass alone
+    decode_pruning_ratio: float | None = None  # the decode steps alone
     ratio_unit: str | None = None
     ratio_source: str | None = None  # measured (counted by the engine) or absent
     executed_flops: int | None = None
@@ -50,6 +52,7 @@ class ProbeResult:
     preprocessing_ms: float | None = None
     inference_ms: float | None = None
     postprocessing_ms: float | None = None
+    quality_ms: float | None = None  # the quality check against the dense model, when asked for
     ttft_ms: float | None = None
     tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
@@ -91,6 +94,8 @@ class ProbeResult:
             round_id=round_id,
             sensitivity=stats.sensitivity,
             pruning_ratio=stats.pruning_ratio,
+            prefill_pruning_ratio=stats.prefill_pruning_ratio,
+            decode_pruning_ratio=stats.decode_pruning_ratio,
             ratio_unit=stats.ratio_unit,
             ratio_source=stats.ratio_source,
             executed_flops=stats.executed_flops,
@@ -104,6 +109,7 @@ class ProbeResult:
             preprocessing_ms=stats.preprocessing_ms,
             inference_ms=stats.inference_ms,
             postprocessing_ms=stats.postprocessing_ms,
+            quality_ms=stats.quality_ms if quality else None,
             ttft_ms=stats.ttft_ms,
             tokens_per_s=stats.tokens_per_s,
             decode_tokens_per_s=stats.decode_tokens_per_s,

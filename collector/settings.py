@@ -25,8 +25,9 @@ class CollectorSettings(BaseSettings):
     model_dir: Path = Field(DEFAULT_MODEL_DIR, description="Model folder of the embedded engine.")
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="Embedded engine device.")
     sensitivity: float = Field(0.5, ge=0.0, le=1.0, description="Pruning sensitivity of the probes.")
-    activation_sparsity: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Activation-sparsity target at sensitivity 1 (0: layer bypass only).")
+    activation_sparsity: float | None = Field(
+        None, ge=0.0, lt=1.0,
+        description="Activation-sparsity target at sensitivity 1; None keeps the engine's default, 0 turns it off.")
     probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Canonical probes YAML.")
     target_name: str = Field("embedded", min_length=1, max_length=128, description="Label of the target.")
     alerts: bool = Field(True, description="Evaluate alerts/rules.yml over the store after each round (no Prometheus).")

@@ -29,8 +29,9 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         "Latency breakdown per probe (measured mean)",
         "Mean seconds per probe of each phase, from the collector's histograms (sum rate ÷ count rate): "
         "preprocessing = tokenize + prompt features + bypass plan; inference = prefill + decode; "
-        "postprocessing = detokenize + quality check + stats. Means add up to the mean probe time.",
-        p, [prom(ref, expr, phase) for ref, (phase, expr) in zip("ABC", promql.PHASE_MEANS.items())],
+        "postprocessing = detokenize + stats; quality check = the dense re-run and teacher-forced scoring "
+        "behind token agreement (probes only). Means add up to the mean probe time.",
+        p, [prom(ref, expr, phase) for ref, (phase, expr) in zip("ABCD", promql.PHASE_MEANS.items())],
         unit="s", width=12, bars=True, stacked=True))
     layout.add(timeseries(
         "Inference latency p50 / p99 (estimated from histogram buckets)",
@@ -53,6 +54,14 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         "Mean seconds per probe as the collector timed it end to end (request, generation, quality check, "
         "transfer), by target and outcome: the one latency every target has, remote baselines included.",
         p, [prom("A", promql.PROBE_WALL_TIME, "{{target}} · {{status}}")], unit="s", width=24, height=7))
+    layout.add(timeseries(
+        "Pruning ratio by phase (measured, last probe)",
+        "Share of dense linear-layer FLOPs not executed, counted apart for the prompt's forward pass "
+        "(prefill: many rows, compute-bound; long prompts run dense there) and for the decode steps (one "
+        "row each, memory-bound: where skipped work turns into time). The request ratio the alerts read "
+        "weighs both by their FLOPs.",
+        p, [prom(ref, expr, f"{phase} · {{{{domain}}}}") for ref, (phase, expr) in zip("AB", promql.PHASE_RATIOS.items())],
+        unit="percentunit", width=24, height=7, minimum=0, maximum=1))
     layout.add(row("Hardware"))
     layout.add(timeseries(
         "DRAM bytes per instruction (by source)",

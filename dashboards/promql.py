@@ -13,8 +13,10 @@ import re
 
 from alerts.promql import PROMQL_AGREEMENT_BY_DOMAIN
 from collector.metrics import (
+    PROMQL_DECODE_RATIO_BY_DOMAIN,
     PROMQL_FAILURE_RATE,
     PROMQL_LATENCY_P99,
+    PROMQL_PREFILL_RATIO_BY_DOMAIN,
     PROMQL_RATIO_AVG_24H,
     PROMQL_RATIO_BY_DOMAIN,
 )
@@ -122,6 +124,11 @@ PHASE_MEANS = {
     "preprocessing": _phase_mean("prunewatch_preprocessing_latency_seconds"),
     "inference": _phase_mean("prunewatch_inference_latency_seconds"),
     "postprocessing": _phase_mean("prunewatch_postprocessing_latency_seconds"),
+    "quality check": _phase_mean("prunewatch_quality_check_latency_seconds"),
+}
+PHASE_RATIOS = {  # measured per phase, last probe per (model, domain, probe), averaged per domain
+    "prefill": scoped(PROMQL_PREFILL_RATIO_BY_DOMAIN),
+    "decode": scoped(PROMQL_DECODE_RATIO_BY_DOMAIN),
 }
 INFERENCE_P50 = _quantile(0.5, "prunewatch_inference_latency_seconds", "5m")  # the recorded p99's window
 TTFT_P50 = _quantile(0.5, "prunewatch_time_to_first_token_seconds")

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.errors import InvalidRequestError, UnsupportedArchitectureError
 
+MAX_SPARSITY = 0.95  # highest per-layer target a family factor can lift a request to
 _BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers")
 
 
@@ -45,11 +46,17 @@ class ExecutionPlan:
     sparsity_policy: str = "row"
     # Attention heads not computed, per decoder block (engine.heads); empty: every head runs.
     gated_heads: tuple[frozenset[int], ...] = ()
+    # Per projection family (engine.sparse.targets.PROJECTION_FAMILIES), a factor on the layer's
+    # target: small models tolerate very different sparsity on attention-output and MLP inputs.
+    # Missing families keep factor 1; the product is capped at MAX_SPARSITY.
+    family_scale: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         targets = (self.activation_sparsity, *self.layer_sparsity)
         if any(not 0.0 <= float(t) < 1.0 for t in targets):
             raise InvalidRequestError(f"activation sparsity targets must be in [0, 1), got {targets}")
+        if any(not 0.0 <= float(f) <= 4.0 for _, f in self.family_scale):
+            raise InvalidRequestError(f"family sparsity factors must be in [0, 4], got {self.family_scale}")
         if self.sparsity_policy not in ("row", "shared"):
             raise InvalidRequestError(f"sparsity_policy must be 'row' or 'shared', got {self.sparsity_policy!r}")
 
@@ -68,11 +75,15 @@ class ExecutionPlan:
         """How many (block, head) pairs are gated in blocks that run (a bypassed block gates nothing)."""
         return sum(len(g) for i, g in enumerate(self.gated_heads) if i not in self.bypass)
 
-    def sparsity_for(self, layer: int) -> float:
-        """The activation sparsity target of one decoder block under this plan."""
+    def sparsity_for(self, layer: int, family: str | None = None) -> float:
+        """The activation sparsity target of one decoder block (and projection family) under this plan."""
         if self.layer_sparsity:
-            return float(self.layer_sparsity[layer]) if layer < len(self.layer_sparsity) else 0.0
-        return float(self.activation_sparsity)
+            target = float(self.layer_sparsity[layer]) if layer < len(self.layer_sparsity) else 0.0
+        else:
+            target = float(self.activation_sparsity)
+        if family is not None and target > 0.0 and self.family_scale:
+            target = min(MAX_SPARSITY, target * dict(self.family_scale).get(family, 1.0))
+        return target
 
 
 @dataclass
@@ -90,12 +101,36 @@ class ExecutionLedger:
     sparse_executed_flops: int = 0  # what they executed (kernel: 2 x active inputs x out x rows)
     sparse_input_entries: int = 0  # (row, input channel) entries they received
     sparse_kept_entries: int = 0  # ... of which survived the thresholds
+    # Snapshot of the two totals when the prompt's forward pass (the prefill) ended; None before.
+    prefill_executed_flops: int | None = None
+    prefill_dense_flops: int | None = None
+
+    @staticmethod
+    def _ratio(executed: int, dense: int) -> float:
+        return 0.0 if dense <= 0 else max(0.0, 1.0 - executed / dense)
 
     @property
     def pruning_ratio(self) -> float:
-        if self.dense_flops <= 0:
+        return self._ratio(self.executed_flops, self.dense_flops)
+
+    def end_prefill(self) -> None:
+        """Mark the end of the prefill: what was counted so far is the prompt's work."""
+        self.prefill_executed_flops, self.prefill_dense_flops = self.executed_flops, self.dense_flops
+
+    @property
+    def prefill_pruning_ratio(self) -> float:
+        """Ratio over the prompt's forward pass alone (many rows: compute-bound, rarely sparse)."""
+        if self.prefill_dense_flops is None:
+            return self.pruning_ratio
+        return self._ratio(self.prefill_executed_flops or 0, self.prefill_dense_flops)
+
+    @property
+    def decode_pruning_ratio(self) -> float:
+        """Ratio over the decode steps alone (one row each: memory-bound, where skipping saves time)."""
+        if self.prefill_dense_flops is None:
             return 0.0
-        return max(0.0, 1.0 - self.executed_flops / self.dense_flops)
+        return self._ratio(self.executed_flops - (self.prefill_executed_flops or 0),
+                           self.dense_flops - self.prefill_dense_flops)
 
     @property
     def activation_sparsity(self) -> float:

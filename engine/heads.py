@@ -122,7 +122,7 @@ class HeadGatedProjection(nn.Module):
             return self.inner(x)
         ranges = self.kept(gated)
         # With activation sparsity on this layer the kernel does the work (and counts it).
-        sparse = isinstance(self.inner, SparseLinear) and plan.sparsity_for(self.layer) > 0.0
+        sparse = isinstance(self.inner, SparseLinear) and self.inner.target_under(plan) > 0.0
         if self.role == "input":
             return self._input_gated(x, gated, ranges, sparse)
         return self._output_gated(x, gated, ranges, sparse)

@@ -10,8 +10,9 @@ The rule (fixed per request, so the KV cache stays consistent):
    one from the prompt's semantic density, its domain-match entropy and memory pressure, and marks
    transition layers (sharp changes of influence between neighbours) as protected.
 4. Walk eligible blocks from least to most influential and bypass them while the bypassed
-   influence stays within effective sensitivity x budget x total influence. Sensitivity 0 bypasses
-   nothing.
+   influence stays within effective sensitivity x budget x the influence of the eligible blocks
+   (protected, transition and blacklisted blocks never count towards it). Sensitivity 0 or a
+   budget of 0 bypasses nothing.
 5. Head gating (when the calibration has head influence): in the blocks still marked KEEP, walk
    the attention heads from the smallest calibrated write into the residual stream upwards and
    gate them while the gated influence stays within effective sensitivity x head budget x the
@@ -53,7 +54,7 @@ class BypassPlan:
     decisions: list[LayerDecision]
     domain: str | None
     domain_confidence: float
-    budget: float  # effective sensitivity x influence_budget x total influence
+    budget: float  # effective sensitivity x influence_budget x influence of the eligible blocks
     signals: Signals
     nearest_domain_similarity: float  # cosine of the prompt to the closest domain centroid
 
@@ -100,7 +101,6 @@ def plan_bypass(
         for i, value in enumerate(calibration.domains[name].influence):
             influence[i] += weight * value
     signals = combine(sensitivity, prompt_ids, list(weights.values()), influence, memory_pressure, signal_weights)
-    budget = signals.effective_sensitivity * influence_budget * sum(influence)
     protected = {0, n - 1} if protect_edges else {0}
     status = {i: "KEEP" for i in range(n)}
     for i in signals.transition_layers:
@@ -109,6 +109,8 @@ def plan_bypass(
         status[i] = "PROTECTED"
     for i in blacklist:
         status[i] = "BLACKLISTED"
+    # Only blocks that may be bypassed count: a block that can never be skipped must not enlarge the budget.
+    budget = signals.effective_sensitivity * influence_budget * sum(influence[i] for i in range(n) if status[i] == "KEEP")
     left = budget
     thresholds = {i: left for i in range(n)}
     bypass: set[int] = set()

@@ -220,6 +220,12 @@ class PruningEngine:
                 return None, reason
         return bypass_plan, None
 
+    def execution_plan(self, prompt_ids: list[int], sensitivity: float, blacklist: list[int],
+                       prompt_text: str | None = None) -> ExecutionPlan:
+        """Everything a request with this prompt would skip (bypass, gated heads, sparsity); dense on fallback."""
+        bypass_plan, _ = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=prompt_text)
+        return self._with_sparsity(bypass_plan, blacklist) if bypass_plan else ExecutionPlan()
+
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
                 max_new_tokens: int, use_cache: bool) -> Iterator[int]:
@@ -244,6 +250,8 @@ class PruningEngine:
                     out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
                     context = ids.shape[1]
                 ledger.kv_bytes_read += int(executed_blocks * context * self._kv_bytes_per_token_per_layer)
+                if ledger.prefill_dense_flops is None:
+                    ledger.end_prefill()
                 token = int(out.logits[0, -1].argmax())
                 yield token
                 if token in self._eos_ids:
@@ -313,12 +321,15 @@ class PruningEngine:
             if len(text) > len(text_so_far):
                 yield TokenDelta(text[len(text_so_far):], tokens[-1])
             report = None
-            if quality:
+            quality_s = 0.0
+            if quality:  # its own figure: the dense re-run is not part of this request's postprocessing
+                quality_started = time.perf_counter()
                 if plan.skips_work:
                     dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), max_new_tokens, True))
                 else:
                     dense = tokens
                 report = score_against_dense(self.instrumented, prompt_ids, dense, plan, self.loaded.device)
+                quality_s = time.perf_counter() - quality_started
             peak = memory.peak_bytes()
         completion = len(tokens)
         inference_s = inferred - preprocessed
@@ -339,6 +350,8 @@ class PruningEngine:
             tokens_per_s=round(completion / inference_s, 3) if inference_s > 0 else 0.0,
             sensitivity=sensitivity,
             pruning_ratio=round(ledger.pruning_ratio, 6),
+            prefill_pruning_ratio=round(ledger.prefill_pruning_ratio, 6),
+            decode_pruning_ratio=round(ledger.decode_pruning_ratio, 6),
             executed_flops=ledger.executed_flops,
             dense_flops=ledger.dense_flops,
             layers_bypassed=sorted(plan.bypass),
@@ -359,7 +372,8 @@ class PruningEngine:
             finish_reason=finish_reason,
         )
         self._log(stats, bypass_plan, log_level)
-        stats.postprocessing_ms = _ms(time.perf_counter() - inferred)
+        stats.quality_ms = _ms(quality_s)
+        stats.postprocessing_ms = _ms(time.perf_counter() - inferred - quality_s)
         yield GenerationResult(text=text, token_ids=tokens, stats=stats)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
@@ -410,7 +424,8 @@ class PruningEngine:
             return bypass_plan.plan
         keep_dense = set(blacklist) | set(bypass_plan.signals.transition_layers)
         per_layer = tuple(0.0 if i in keep_dense else round(target, 4) for i in range(self.num_layers))
-        return replace(bypass_plan.plan, layer_sparsity=per_layer)
+        return replace(bypass_plan.plan, layer_sparsity=per_layer,
+                       family_scale=tuple(sorted(self.settings.sparsity_family_scale.items())))
 
     def _quality_flags(self, ratio: float, report) -> list[str]:
         flags = []

@@ -8,6 +8,7 @@ position (agreement) and the likelihood each assigns to the dense continuation (
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -47,3 +48,31 @@ def score_against_dense(
         perplexity_delta_pct=round((pruned_ppl - dense_ppl) / dense_ppl * 100.0, 4),
         scored_tokens=int(targets.numel()),
     )
+
+
+@torch.no_grad()
+def heldout_perplexity_delta(engine, texts: Sequence[str]) -> float:
+    """Perplexity delta (%) of the engine's configured pruning on text it was never calibrated on.
+
+    Each passage is planned as a request with that passage as its prompt (so the adaptive signals
+    see it), then scored teacher-forced under that plan and dense; NLL is pooled over all tokens.
+    `engine` is a PruningEngine (not imported here: the engine module imports this one).
+    """
+    dense_nll = pruned_nll = 0.0
+    tokens = 0
+    for text in texts:
+        ids = engine.render_raw(text)
+        if len(ids) < 2:
+            continue
+        plan = engine.execution_plan(ids, engine.settings.sensitivity, list(engine.settings.layer_blacklist),
+                                     prompt_text=text)
+        x = torch.tensor([ids], device=engine.loaded.device)
+        targets = x[0, 1:]
+        dense = _continuation_logits(engine.instrumented, x, ExecutionPlan())[:-1]
+        pruned = dense if not plan.skips_work else _continuation_logits(engine.instrumented, x, plan)[:-1]
+        dense_nll += float(torch.nn.functional.cross_entropy(dense, targets, reduction="sum"))
+        pruned_nll += float(torch.nn.functional.cross_entropy(pruned, targets, reduction="sum"))
+        tokens += int(targets.numel())
+    if tokens == 0:
+        raise ValueError("held-out texts have no tokens to score")
+    return (math.exp((pruned_nll - dense_nll) / tokens) - 1.0) * 100.0

@@ -40,14 +40,17 @@ class RequestStats:
     completion_tokens: int
     preprocessing_ms: float  # tokenize, domain match, bypass plan
     inference_ms: float  # prefill + decode
-    postprocessing_ms: float  # detokenize, quality check, stats
+    postprocessing_ms: float  # detokenize, stats (the quality check is quality_ms, apart)
     ttft_ms: float  # request start -> first generated token
     decode_tokens_per_s: float  # tokens after the first / decode time
     tokens_per_s: float  # completion tokens / inference time
     sensitivity: float
-    pruning_ratio: float  # 1 - executed / dense work, in RATIO_UNIT
+    pruning_ratio: float  # 1 - executed / dense work, in RATIO_UNIT, over prefill + decode
     executed_flops: int
     dense_flops: int
+    prefill_pruning_ratio: float = 0.0  # the same over the prompt's forward pass alone
+    decode_pruning_ratio: float = 0.0  # ... over the decode steps alone (where skipping saves time)
+    quality_ms: float = 0.0  # dense re-run + teacher-forced scoring, only when quality was asked for
     ratio_unit: str = RATIO_UNIT
     ratio_source: str = "measured"  # counted from the linear layers that ran
     layers_bypassed: list[int] = field(default_factory=list)

@@ -130,3 +130,13 @@ def load_probes(path: Path | str = DEFAULT_PROBES_PATH) -> ProbeSet:
     if not probes:
         raise ProbeFileError(f"{path}: the probes list is empty")
     return ProbeSet(tuple(probes), str(path))
+
+
+HELDOUT_PATH = Path(__file__).resolve().parent / "heldout.txt"
+
+
+def heldout_texts(path: Path = HELDOUT_PATH) -> list[str]:
+    """The held-out passages (never calibrated on) that perplexity checks score; '#' lines are comments."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if not line.startswith("#")]
+    passages = [" ".join(part.split()) for part in "\n".join(lines).split("\n---\n")]
+    return [p for p in passages if p]

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from prunewatch.cli_errors import fail, first_validation_error
+from prunewatch.models_cli import MODEL_HELP, model_folder, models_app
 
 app = typer.Typer(
     name="prunewatch",
@@ -30,6 +31,7 @@ def _root() -> None:
 def build_model(
     out: Path = typer.Option(DEFAULT_MODEL_DIR, help="Folder to write the Hugging Face model into."),
     steps: int = typer.Option(None, min=1, help="Training steps (default: the committed model's schedule)."),
+    seed: int = typer.Option(None, help="Random seed of tokenizer sampling, init and batches (default: the committed model's)."),
 ) -> None:
     """Train the bundled probe model (tokenizer + small Llama) offline from this machine's docs."""
     from dataclasses import replace
@@ -38,7 +40,8 @@ def build_model(
 
     from engine.probe_model.train import ProbeModelConfig, build_probe_model
 
-    config = ProbeModelConfig() if steps is None else replace(ProbeModelConfig(), steps=steps)
+    overrides = {k: v for k, v in (("steps", steps), ("seed", seed)) if v is not None}
+    config = replace(ProbeModelConfig(), **overrides)
     command = "prunewatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
                   TimeRemainingColumn()) as progress:
@@ -63,10 +66,11 @@ def run(
     db: str = typer.Option("sqlite:///prunewatch.db", help="SQLAlchemy URL of the result store."),
     metrics_port: int = typer.Option(9464, help="Port of the /metrics endpoint (0 disables it)."),
     metrics_host: str = typer.Option("127.0.0.1", help="Address of the /metrics endpoint."),
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    model: str = typer.Option(None, help=MODEL_HELP),
     sensitivity: float = typer.Option(0.5, help="Pruning sensitivity in [0, 1]; 0 runs dense."),
     activation_sparsity: float = typer.Option(
-        0.0, help="Activation-sparsity target at sensitivity 1, in [0, 1) (sparse kernel; 0: bypass and head gating only)."),
+        None, help="Activation-sparsity target at sensitivity 1, in [0, 1) (sparse kernel; default: the engine's, "
+                   "chosen to keep quality on SmolLM2-135M-Instruct; 0 turns it off)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
@@ -89,11 +93,13 @@ def run(
     try:
         settings = CollectorSettings(
             db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
-            model_dir=model, sensitivity=sensitivity, device=device, probes_path=probes or DEFAULT_PROBES_PATH,
-            activation_sparsity=activation_sparsity,
+            model_dir=model_folder(model), sensitivity=sensitivity, device=device,
+            probes_path=probes or DEFAULT_PROBES_PATH, activation_sparsity=activation_sparsity,
         )
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
+    except EngineError as exc:
+        raise fail(str(exc))
     try:
         outcome = run_embedded(settings)
     except (EngineError, ProbeFileError, StoreUnavailableError, MetricsPortError) as exc:
@@ -104,7 +110,7 @@ def run(
 
 @app.command("calibrate")
 def calibrate_command(
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    model: str = typer.Option(None, help=MODEL_HELP),
     probes: Path = typer.Option(None, help="Probes YAML whose texts calibrate each domain (default: canonical)."),
     out: Path = typer.Option(Path("calibration"), help="Folder for the calibration JSON and heatmap PNG."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
@@ -118,7 +124,7 @@ def calibrate_command(
 
     try:
         probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
-        engine = PruningEngine.load(EngineSettings(model_dir=model, device=device))
+        engine = PruningEngine.load(EngineSettings(model_dir=model_folder(model), device=device))
     except (EngineError, ProbeFileError) as exc:
         raise fail(str(exc))
     texts = probe_set.calibration_texts()
@@ -172,7 +178,7 @@ def profile_dram_command(
 
 @app.command("serve")
 def serve_command(
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    model: str = typer.Option(None, help=MODEL_HELP),
     host: str = typer.Option("127.0.0.1", help="Address to bind."),
     port: int = typer.Option(8000, help="Port to bind."),
     sensitivity: float = typer.Option(0.5, help="Default pruning sensitivity in [0, 1] (X-Pruning-Sensitivity overrides)."),
@@ -191,7 +197,7 @@ def serve_command(
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
     try:
-        serve(model, host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
+        serve(model_folder(model), host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
               workers=workers, probes_path=probes)
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
@@ -202,6 +208,7 @@ def serve_command(
 bench_app = typer.Typer(help="Benchmarks: dense vs pruned in one run, ratios against the baseline.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(models_app, name="models")
 
 
 @bench_app.command("engine", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -263,3 +270,4 @@ _mount_groups()
 
 def main() -> None:  # pragma: no cover - console entry point
     app()
+

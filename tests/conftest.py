@@ -25,13 +25,20 @@ def calibration_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("calibration")
 
 
+# The engine's defaults keep quality on a real model and leave layer bypass and head gating off; the
+# plumbing tests on the probe model exercise those mechanisms, so they switch them on explicitly.
+PROBE_MECHANISMS = {"influence_budget": 0.5, "head_gating": True, "head_budget": 0.05, "activation_sparsity": 0.0}
+
+
 @pytest.fixture(scope="session")
 def probe_engine(probe_model_dir: Path, calibration_dir: Path):
-    """One calibrated engine on the CPU for the whole session (loading and calibrating cost seconds)."""
+    """One calibrated engine on the CPU for the whole session (loading and calibrating cost seconds),
+    with layer bypass and head gating on (PROBE_MECHANISMS)."""
     from engine import EngineSettings, PruningEngine
     from probes import load_probes
 
-    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir))
+    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
+                                               **PROBE_MECHANISMS))
     probe_set = load_probes()
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     return engine

@@ -54,6 +54,8 @@ class ProbeResultRow(Base):
     error_message: Mapped[str | None] = mapped_column(Text)
     sensitivity: Mapped[float | None] = mapped_column(Float)
     pruning_ratio: Mapped[float | None] = mapped_column(Float)
+    prefill_pruning_ratio: Mapped[float | None] = mapped_column(Float)
+    decode_pruning_ratio: Mapped[float | None] = mapped_column(Float)
     ratio_unit: Mapped[str | None] = mapped_column(String(32))
     ratio_source: Mapped[str | None] = mapped_column(String(16))
     executed_flops: Mapped[int | None] = mapped_column(Float)  # Float: exceeds int32/int64 on large models
@@ -67,6 +69,7 @@ class ProbeResultRow(Base):
     preprocessing_ms: Mapped[float | None] = mapped_column(Float)
     inference_ms: Mapped[float | None] = mapped_column(Float)
     postprocessing_ms: Mapped[float | None] = mapped_column(Float)
+    quality_ms: Mapped[float | None] = mapped_column(Float)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
     decode_tokens_per_s: Mapped[float | None] = mapped_column(Float)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Body, FastAPI, Header, Security
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Security
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -50,12 +50,6 @@ _SSE = {"text/event-stream": {"schema": {
 }}}
 
 
-def _pruning_header_params() -> tuple[Any, Any, Any]:
-    """The X-Pruning-* request headers, declared once for every generating route."""
-    sensitivity = Header(None, alias=ph.SENSITIVITY, description="0..1; 0 runs the dense model.")
-    log_level = Header(None, alias=ph.LOG_LEVEL, description="NONE, SUMMARY or DETAILED.")
-    blacklist = Header(None, alias=ph.BLACKLIST, description="Comma-separated layer indices never bypassed.")
-    return sensitivity, log_level, blacklist
 
 
 def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
@@ -106,10 +100,18 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
     }
     completion_examples = {"completion": {"summary": "completion",
                                           "value": {"model": engine.name, "prompt": "Hello", "max_tokens": 4}}}
-    sensitivity_h, log_level_h, blacklist_h = _pruning_header_params()
 
-    def pruning(sensitivity: str | None, blacklist: str | None, log_level: str | None) -> ph.PruningRequest:
-        return ph.parse_pruning_headers(sensitivity, blacklist, log_level, engine.num_layers)
+    def pruning(
+        sensitivity: str | None = Header(None, alias=ph.SENSITIVITY, description="0..1; 0 runs the dense model."),
+        log_level: str | None = Header(None, alias=ph.LOG_LEVEL, description="NONE, SUMMARY or DETAILED."),
+        blacklist: str | None = Header(None, alias=ph.BLACKLIST,
+                                       description="Comma-separated layer indices never bypassed."),
+        quality: str | None = Header(None, alias=ph.QUALITY, description=(
+            "on: also score this answer against the dense model (token agreement, perplexity delta; "
+            "costs a dense re-run, reported as quality_ms). off or absent: no check.")),
+    ) -> ph.PruningRequest:
+        """The X-Pruning-* request headers, declared once for every generating route."""
+        return ph.parse_pruning_headers(sensitivity, blacklist, log_level, engine.num_layers, quality)
 
     async def respond(spec: GenerationSpec) -> Response:
         slot = service.admit()[0]
@@ -125,32 +127,24 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
               responses={**_ERRORS, 200: {"content": _SSE}})
     async def chat_completions(
         body: ChatCompletionRequest = Body(openapi_examples=examples),
-        x_pruning_sensitivity: str | None = sensitivity_h,
-        x_pruning_log_level: str | None = log_level_h,
-        x_pruning_blacklist: str | None = blacklist_h,
+        overrides: ph.PruningRequest = Depends(pruning),
     ) -> Response:
         """Chat completion, streamed as server-sent events when `stream` is true."""
-        overrides = pruning(x_pruning_sensitivity, x_pruning_blacklist, x_pruning_log_level)
         return await respond(await service.prepare(body, overrides))
 
     @api.post("/v1/completions", response_model=Completion, tags=["openai"],
               responses={**_ERRORS, 200: {"content": _SSE}})
     async def completions(
         body: CompletionRequest = Body(openapi_examples=completion_examples),
-        x_pruning_sensitivity: str | None = sensitivity_h,
-        x_pruning_log_level: str | None = log_level_h,
-        x_pruning_blacklist: str | None = blacklist_h,
+        overrides: ph.PruningRequest = Depends(pruning),
     ) -> Response:
         """Text completion: the prompt is continued as given, without the chat template."""
-        overrides = pruning(x_pruning_sensitivity, x_pruning_blacklist, x_pruning_log_level)
         return await respond(await service.prepare(body, overrides))
 
     @api.post("/v1/batch", response_model=BatchResponse, tags=["prunewatch"], responses=_ERRORS)
     async def batch(
         body: BatchRequest,
-        x_pruning_sensitivity: str | None = sensitivity_h,
-        x_pruning_log_level: str | None = log_level_h,
-        x_pruning_blacklist: str | None = blacklist_h,
+        overrides: ph.PruningRequest = Depends(pruning),
     ) -> JSONResponse:
         """Several requests in one call, each pruned independently with its own stats.
 
@@ -158,8 +152,7 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
         that fails its checks gets its own error; the batch is admitted as a whole (429 if it does
         not fit in the queue).
         """
-        defaults = pruning(x_pruning_sensitivity, x_pruning_blacklist, x_pruning_log_level)
-        return JSONResponse(await service.batch(body, defaults))
+        return JSONResponse(await service.batch(body, overrides))
 
     @api.get("/v1/models", response_model=ModelList, tags=["openai"], responses={401: {"model": ErrorResponse}})
     async def list_models() -> dict[str, Any]:

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from jinja2 import TemplateError
@@ -64,6 +64,8 @@ def prunewatch_block(stats: RequestStats, queue_ms: float) -> dict[str, Any]:
     return PrunewatchStats(
         request_id=stats.request_id,
         pruning_ratio=stats.pruning_ratio,
+        prefill_pruning_ratio=stats.prefill_pruning_ratio,
+        decode_pruning_ratio=stats.decode_pruning_ratio,
         ratio_unit=stats.ratio_unit,
         ratio_source=stats.ratio_source,
         executed_flops=stats.executed_flops,
@@ -80,9 +82,11 @@ def prunewatch_block(stats: RequestStats, queue_ms: float) -> dict[str, Any]:
         effective_sensitivity=stats.effective_sensitivity,
         signals=stats.signals,
         quality_flags=list(stats.quality_flags),
+        quality=asdict(stats.quality) if stats.quality is not None else None,
         preprocessing_ms=stats.preprocessing_ms,
         inference_ms=stats.inference_ms,
         postprocessing_ms=stats.postprocessing_ms,
+        quality_ms=stats.quality_ms,
         queue_ms=queue_ms,
         ttft_ms=stats.ttft_ms,
         tokens_per_s=stats.tokens_per_s,
@@ -120,6 +124,8 @@ def merge_overrides(base: PruningRequest, item: PruningOverrides | None, num_lay
         merged = replace(merged, layer_blacklist=tuple(sorted(set(item.layer_blacklist))))
     if item.log_level is not None:
         merged = replace(merged, log_level=LogLevel(item.log_level))
+    if item.quality is not None:
+        merged = replace(merged, quality=item.quality)
     return merged
 
 
@@ -202,6 +208,7 @@ class CompletionService:
                 layer_blacklist=list(spec.pruning.layer_blacklist) if spec.pruning.layer_blacklist is not None
                 else None,
                 log_level=spec.pruning.log_level,
+                quality=spec.pruning.quality,
                 request_id=spec.request_id,
                 prompt_ids=list(spec.prompt_ids),
             )

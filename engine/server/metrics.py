@@ -104,6 +104,11 @@ class ServerMetrics:
         self.dense_flops.labels(model, domain).inc(stats.dense_flops)
         if stats.domain is not None:
             shared.pruning_ratio.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.pruning_ratio)
+            shared.prefill_pruning_ratio.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.prefill_pruning_ratio)
+            shared.decode_pruning_ratio.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.decode_pruning_ratio)
+        if stats.quality is not None:  # asked for with X-Pruning-Quality: on
+            shared.token_agreement.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.quality.token_agreement)
+            shared.quality_check.labels(model, domain, SELF_TARGET).observe(stats.quality_ms / 1000.0)
         shared.inference_latency.labels(model, domain, SELF_TARGET).observe(stats.inference_ms / 1000.0)
         shared.tokens_per_second.labels(model, domain, SELF_TARGET).set(stats.tokens_per_s)
         shared.preprocessing.labels(model, domain, SELF_TARGET).observe(stats.preprocessing_ms / 1000.0)

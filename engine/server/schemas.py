@@ -99,6 +99,7 @@ class PruningOverrides(BaseModel):
     sensitivity: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     layer_blacklist: list[Annotated[int, Field(ge=0)]] | None = None
     log_level: Literal["NONE", "SUMMARY", "DETAILED"] | None = None
+    quality: bool | None = Field(None, description="Score this item against the dense model (X-Pruning-Quality).")
 
 
 class ChatBatchItem(BaseModel):
@@ -136,11 +137,23 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class QualityScore(BaseModel):
+    """Teacher-forced comparison with the dense model on the dense continuation (engine.quality)."""
+
+    token_agreement: float = Field(description="Share of positions where pruned and dense argmax agree, 0..1.")
+    dense_perplexity: float
+    pruned_perplexity: float
+    perplexity_delta_pct: float = Field(description="(pruned - dense) / dense x 100.")
+    scored_tokens: int
+
+
 class PrunewatchStats(BaseModel):
     """What pruning did to this request, and what it cost. Same numbers as the X-Pruning-* headers."""
 
     request_id: str
-    pruning_ratio: float = Field(description="1 - executed / dense work, in ratio_unit; 0 is dense.")
+    pruning_ratio: float = Field(description="1 - executed / dense work, in ratio_unit, prefill + decode; 0 is dense.")
+    prefill_pruning_ratio: float = Field(description="The same over the prompt's forward pass alone.")
+    decode_pruning_ratio: float = Field(description="The same over the decode steps alone.")
     ratio_unit: str = Field(RATIO_UNIT, description="What the ratio counts: linear-layer FLOPs.")
     ratio_source: str = Field(description="'measured': counted from the linear layers that actually ran.")
     executed_flops: int
@@ -157,9 +170,12 @@ class PrunewatchStats(BaseModel):
     effective_sensitivity: float = Field(description="Sensitivity after the adaptive-threshold signals (configured weights).")
     signals: dict[str, Any] | None = Field(description="Each adaptive-threshold signal's value and factor.")
     quality_flags: list[str] = Field(description="ratio_above_red_line / agreement_below_floor when crossed.")
+    quality: QualityScore | None = Field(
+        description="Measured against the dense model on the same prompt; null unless X-Pruning-Quality: on.")
     preprocessing_ms: float
     inference_ms: float
     postprocessing_ms: float
+    quality_ms: float = Field(description="Time of the quality check (dense re-run + scoring); 0 when not asked.")
     queue_ms: float = Field(description="Time admitted but waiting for a free worker.")
     ttft_ms: float
     tokens_per_s: float

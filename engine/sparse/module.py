@@ -24,7 +24,7 @@ from engine.execution import (
 )
 from engine.sparse.calibration import LayerThresholds
 from engine.sparse.kernel import device_kernel
-from engine.sparse.targets import DEFAULT_PROJECTIONS, in_out, is_conv1d
+from engine.sparse.targets import DEFAULT_PROJECTIONS, in_out, is_conv1d, projection_family
 
 
 class SparsityOptions(BaseModel):
@@ -68,6 +68,7 @@ class SparseLinear(nn.Module):
         self.linear = linear
         self.layer = layer  # decoder block index, for per-layer targets
         self.name = name  # path inside the block, e.g. "mlp.down_proj"
+        self.family = projection_family(name)  # attn_in / attn_out / mlp_in / mlp_out: the plan scales by it
         self.thresholds = thresholds
         self.in_features, self.out_features = in_out(linear)
         self.max_kernel_rows = options.max_kernel_rows
@@ -107,12 +108,16 @@ class SparseLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer}, name={self.name}, in={self.in_features}, out={self.out_features}"
 
+    def target_under(self, plan: ExecutionPlan) -> float:
+        """This layer's activation-sparsity target under `plan` (its block's, times its family's factor)."""
+        return plan.sparsity_for(self.layer, self.family)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         execution = current_execution()
         if execution is None:
             return self.linear(x)
         plan, ledger = execution
-        target = plan.sparsity_for(self.layer)
+        target = self.target_under(plan)
         if target <= 0.0:
             return self.linear(x)
         in_features = self.in_features

@@ -22,6 +22,27 @@ DEFAULT_PROJECTIONS: tuple[str, ...] = (
 )
 
 
+PROJECTION_FAMILIES: tuple[str, ...] = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+_FAMILY_OF = {
+    "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in", "c_attn": "attn_in",
+    "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "c_fc": "mlp_in",
+    "down_proj": "mlp_out",
+}
+
+
+def projection_family(name: str) -> str | None:
+    """Which input a projection reads: attention input, attention output, MLP input or MLP output.
+
+    `name` is the path inside the decoder block (e.g. "self_attn.o_proj", GPT-2's "attn.c_proj").
+    The four families differ most in how much sparsity they tolerate, so allocation is per family.
+    """
+    parts = name.replace(".inner", "").split(".")
+    leaf = parts[-1]
+    if leaf == "c_proj":  # GPT-2 names both output projections c_proj; the parent tells them apart
+        return "attn_out" if any("attn" in p for p in parts[:-1]) else "mlp_out"
+    return _FAMILY_OF.get(leaf)
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's Conv1D: a linear layer whose weight is stored (in, out)."""
     return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None

@@ -65,7 +65,7 @@ def test_http_jobs_carry_schedule_and_probe_subset(tmp_path, monkeypatch):
     gpu, vllm = build_jobs(config, PROBES, only=["gpu-a", "vllm"])
     assert [p.domain for p in gpu.probe_set.probes] == ["legal", "legal", "tech", "tech"]
     assert (gpu.interval_s, gpu.timeout_s, gpu.jitter_s) == (10.0, 20.0, 2.0)
-    assert gpu.target.pruning_headers() == {"X-Pruning-Sensitivity": "0.6"}
+    assert gpu.target.pruning_headers() == {"X-Pruning-Sensitivity": "0.6", "X-Pruning-Quality": "on"}
     assert vllm.target.pruning_headers() == {} and len(vllm.probe_set.probes) == 6
 
 

@@ -136,7 +136,12 @@ def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, pro
     from collector.target_config import ResolvedTarget
     from probes import load_probes
 
+    from engine import EngineSettings, PruningEngine
+
     probe_set = load_probes()
+    collecting = PruningEngine.load(EngineSettings(model_dir=probe_engine.settings.model_dir, device="cpu",
+                                                   calibration_dir=calibration_dir))
+    collecting.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)  # as `collect` does at start
     spec = ResolvedTarget(name="embedded", kind="in_process", base_url=None, api_key_env=None, model=None,
                           model_dir=probe_engine.settings.model_dir, device="cpu", domains=["tech"], interval_s=60,
                           timeout_s=60, sensitivity=0.5, jitter_s=0)
@@ -153,9 +158,10 @@ def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, pro
 
     foreign = tmp_path / "foreign"
     shutil.copytree(calibration_dir, foreign)
-    path = probe_engine.calibration_path(probe_set.digest)
-    raw = json.loads(path.read_text())
-    raw["model_fingerprint"] = "0" * 64
-    (foreign / path.name).write_text(json.dumps(raw))
+    for path in foreign.glob("*.json"):  # every block calibration, whichever mechanisms it was made for
+        if not path.name.endswith(".sparsity.json"):
+            raw = json.loads(path.read_text())
+            raw["model_fingerprint"] = "0" * 64
+            path.write_text(json.dumps(raw))
     checks = {c.name: c for c in diagnose_in_process(spec, probe_set, calibration_dir=foreign)}
     assert checks["calibration"].status == "FAIL" and "calibration was made for model" in checks["calibration"].detail

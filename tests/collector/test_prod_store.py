@@ -30,15 +30,15 @@ def assert_schema_equals_models(engine) -> None:
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     assert {ix["name"] for ix in inspect(engine).get_indexes("probe_results")} == QUERY_INDEXES
-    assert current_revision(engine) == head_revision() == "0002"
+    assert current_revision(engine) == head_revision() == "0003"
 
 
 @pytest.mark.integration
 def test_postgres_upgrade_from_empty_then_again(postgres):
     engine = connect(fresh_database(postgres))
     assert current_revision(engine) is None
-    assert upgrade(engine) == (None, "0002")
-    assert upgrade(engine) == ("0002", "0002")  # idempotent
+    assert upgrade(engine) == (None, "0003")
+    assert upgrade(engine) == ("0003", "0003")  # idempotent
     assert_schema_equals_models(engine)
     with engine.connect() as connection:  # timestamps are zone-aware in PostgreSQL
         kinds = set(connection.execute(text(
@@ -52,7 +52,9 @@ def test_postgres_step_by_step_and_downgrade(postgres):
     engine = connect(fresh_database(postgres))
     assert upgrade(engine, "0001") == (None, "0001")
     assert "ix_probe_results_round_id" not in {ix["name"] for ix in inspect(engine).get_indexes("probe_results")}
-    assert upgrade(engine) == ("0001", "0002")
+    assert upgrade(engine, "0002") == ("0001", "0002")
+    assert "decode_pruning_ratio" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
+    assert upgrade(engine) == ("0002", "0003")
     assert_schema_equals_models(engine)
     engine.dispose()
 
@@ -72,6 +74,9 @@ def test_store_made_before_migrations_is_adopted(tmp_path):
         result = ok_result()
         repo.start_round(round_id=result.round_id, target="t", model="m", started_at=NOW, probe_set_digest="d")
         repo.add(result)
+    with engine.begin() as connection:  # nor 0003's columns (the row written above has them NULL)
+        for column in ("prefill_pruning_ratio", "decode_pruning_ratio", "quality_ms"):
+            connection.execute(text(f"ALTER TABLE probe_results DROP COLUMN {column}"))
     create_schema(engine)
     assert_schema_equals_models(engine)
     with Session(engine) as session:
@@ -148,9 +153,9 @@ def test_db_commands_against_postgres(postgres):
     runner = CliRunner()
     first = runner.invoke(cli(), ["db", "upgrade", "--db", url])
     assert first.exit_code == 0, first.output
-    assert "schema empty -> 0002" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
+    assert "schema empty -> 0003" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
     again = runner.invoke(cli(), ["db", "upgrade", "--db", url])
-    assert "schema 0002 -> 0002 (already current)" in again.output
+    assert "schema 0003 -> 0003 (already current)" in again.output
     engine = connect(url)
     seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
     engine.dispose()

@@ -150,15 +150,23 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             with engine.connect() as connection:
                 rows = connection.execute(text(
                     "SELECT DISTINCT ON (target, probe_id) target, probe_id, model, sensitivity, pruning_ratio, "
-                    "ratio_source, layers_total, executed_flops, dense_flops, completion_tokens, output_text "
+                    "prefill_pruning_ratio, decode_pruning_ratio, ratio_source, layers_total, executed_flops, "
+                    "dense_flops, completion_tokens, output_text, token_agreement, perplexity_delta_pct, quality_ms "
                     "FROM probe_results WHERE status = 'ok' ORDER BY target, probe_id, created_at")).mappings().all()
             found = {(r["target"], r["probe_id"]): dict(r) for r in rows}
             return found if set(found) == {(t, p) for t in ENGINES for p in probe_ids} else None
 
         try:
             results = _poll("an ok result of each probe from each engine in PostgreSQL", first_results)
+            with engine.connect() as connection:  # quality over HTTP: every ok row, not only the first ones
+                unscored = connection.execute(text(
+                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND (token_agreement IS NULL "
+                    "OR perplexity_delta_pct IS NULL OR quality_ms IS NULL)")).scalar_one()
+                scored = connection.execute(text(
+                    "SELECT count(*) FROM probe_results WHERE status = 'ok'")).scalar_one()
         finally:
             engine.dispose()
+        assert scored >= len(ENGINES) * len(probe_ids) and unscored == 0
         layers = json.loads((probe_model_dir / "config.json").read_text())["num_hidden_layers"]
         for (target, probe_id), row in results.items():
             assert (row["model"], row["sensitivity"], row["ratio_source"], row["layers_total"]) == (
@@ -166,10 +174,25 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             assert 0.0 < row["pruning_ratio"] < 1.0
             assert row["pruning_ratio"] == pytest.approx(1 - row["executed_flops"] / row["dense_flops"], abs=1e-6)
             assert 1 <= row["completion_tokens"] <= 8
+            assert 0.0 <= row["token_agreement"] <= 1.0 and row["quality_ms"] > 0.0
+            assert 0.0 <= row["prefill_pruning_ratio"] <= 1.0 and 0.0 <= row["decode_pruning_ratio"] <= 1.0
         for probe_id in probe_ids:  # same model, calibration and greedy decoding: the engines agree exactly
             a, b = results[("engine-a", probe_id)], results[("engine-b", probe_id)]
             assert (a["pruning_ratio"], a["output_text"], a["completion_tokens"]) == (
                 b["pruning_ratio"], b["output_text"], b["completion_tokens"])
+
+        # The dashboards' agreement panels read data: the recorded series the overview plots and the
+        # worst-probe stat, expanded as Grafana would with every model and domain selected.
+        from dashboards import promql as dashboard_promql
+
+        def agreement_series() -> dict | None:
+            found = {query: _promql(prometheus, query.replace("$model", ".*").replace("$domain", ".*"))
+                     for query in (dashboard_promql.token_agreement_by_domain(), dashboard_promql.TOKEN_AGREEMENT_WORST)}
+            return found if all(found.values()) else None
+
+        agreement = _poll("the dashboards' agreement queries return data", agreement_series, timeout_s=90)
+        for series in agreement.values():
+            assert all(0.0 <= float(s["value"][1]) <= 1.0 for s in series)
 
         # Prometheus -> Alertmanager -> "Slack": ProbeDataAbsent fired before the first probe result
         # and was routed to the critical channel's webhook.

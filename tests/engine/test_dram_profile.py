@@ -13,6 +13,7 @@ from engine import CalibrationMismatchError, EngineSettings, PruningEngine
 from engine.dram_profile import DramLevel, DramProfile, profile_dram
 from engine.ncu import parse_csv
 from probes import load_probes
+from tests.conftest import PROBE_MECHANISMS
 from tests.engine.test_ncu_parse import SAMPLE, _fake_ncu
 
 PROBE = load_probes().probes[0]
@@ -53,7 +54,8 @@ def test_engine_reports_ncu_only_for_requests_of_the_profiled_shape(tmp_path, pr
     path = tmp_path / "profile.json"
     _profile(fingerprint).save(path)
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
-                                               calibration_dir=calibration_dir, dram_profile=path))
+                                               calibration_dir=calibration_dir, dram_profile=path,
+                                               **PROBE_MECHANISMS))
     probe_set = load_probes()
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     dense = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=3, sensitivity=0.0).stats

@@ -13,6 +13,7 @@ from engine import EngineSettings, PruningEngine
 from engine.execution import ExecutionLedger, ExecutionPlan, executing
 from engine.heads import HeadGatedProjection
 from probes import load_probes
+from tests.conftest import PROBE_MECHANISMS
 from tests.engine.test_bypass import _gated_flops_per_row
 from tests.engine.test_families import FAMILIES, family_dirs  # noqa: F401,F811  (fixture)
 
@@ -41,7 +42,8 @@ def _expected_skipped_flops(engine: PruningEngine, tokens: int) -> int:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gated_heads_equal_the_dense_model_without_their_output_and_are_not_computed(family, family_dirs, tmp_path):
-    engine = PruningEngine.load(EngineSettings(model_dir=family_dirs[family], device="cpu", calibration_dir=tmp_path))
+    engine = PruningEngine.load(EngineSettings(model_dir=family_dirs[family], device="cpu", calibration_dir=tmp_path,
+                                               head_gating=True))
     assert engine.head_gating is not None and engine.head_gating.shape.heads == 4
     ids = torch.tensor([engine.render_prompt("Show the routing table.", "You are an administrator.")])
     plan = ExecutionPlan(gated_heads=GATED)
@@ -125,7 +127,8 @@ def test_head_gating_off_or_zero_budget_gates_nothing(probe_model_dir, calibrati
     ids = None
     for settings in (dict(head_gating=False), dict(head_budget=0.0)):
         engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
-                                                   calibration_dir=calibration_dir, **settings))
+                                                   calibration_dir=calibration_dir,
+                                                   **{**PROBE_MECHANISMS, **settings}))
         engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
         ids = ids or engine.render_prompt(PROBES[2].prompt, PROBES[2].system)
         plan, _ = engine.plan(ids, 1.0, [])

@@ -21,6 +21,7 @@ def test_mechanisms_bench_measures_each_mechanism_against_dense(tmp_path, probe_
     rows = {r["name"]: r for r in result["rows"]}
     dense = rows["dense"]
     assert (dense["pruning_ratio"], dense["agreement"], dense["perplexity_delta_pct"], dense["speedup"]) == (0.0, 1.0, 0.0, 1.0)
+    assert (dense["decode_pruning_ratio"], dense["heldout_perplexity_delta_pct"]) == (0.0, 0.0)
     bypass, heads, sparsity = rows["bypass"], rows["heads"], rows["sparsity"]
     assert bypass["layers_bypassed"] > 0 and bypass["heads_gated"] == 0 and bypass["activation_sparsity"] == 0
     assert heads["heads_gated"] > 0 and heads["layers_bypassed"] == 0 and heads["activation_sparsity"] == 0
@@ -28,7 +29,10 @@ def test_mechanisms_bench_measures_each_mechanism_against_dense(tmp_path, probe_
     for row in (bypass, heads, sparsity):
         assert 0.0 < row["pruning_ratio_min"] <= row["pruning_ratio"] <= row["pruning_ratio_max"] < 1.0
         assert row["agreement_min"] <= row["agreement"] <= 1.0 and row["requests"] == 2
-        assert row["meets_quality"] == (row["perplexity_delta_pct"] <= 2.0 and row["agreement"] >= 0.95)
+        assert row["meets_quality"] == (row["heldout_perplexity_delta_pct"] <= 2.0 and row["agreement"] >= 0.95)
+        phases = (row["prefill_pruning_ratio"], row["decode_pruning_ratio"])  # per request, the whole ratio lies
+        assert min(phases) - 1e-3 <= row["pruning_ratio"] <= max(phases) + 1e-3  # between them (FLOP-weighted)
+    assert sparsity["prefill_pruning_ratio"] == 0.0 < sparsity["decode_pruning_ratio"]  # long prefills run dense
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert format_table(result).count("\n|") == len(grid) + 1
     with pytest.raises(ValueError, match="must be 'dense'"):

@@ -7,6 +7,7 @@ import contextvars
 import hashlib
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
@@ -15,10 +16,17 @@ from engine.server.admission import AdmissionQueue, QueueFullError
 from engine.server.auth import ApiKeyAuth, bearer_token, read_keys_file
 from engine.server.errors import APIError
 from engine.server.middleware import endpoint_label
-from engine.server.pruning_headers import parse_blacklist, parse_log_level, parse_sensitivity, stats_header
+from collector.http_target import parse_stats_header
+from engine.server.pruning_headers import (
+    parse_blacklist,
+    parse_log_level,
+    parse_quality,
+    parse_sensitivity,
+    stats_header,
+)
 from engine.server.settings import ServerSettings
 from engine.settings import LogLevel
-from engine.stats import RequestStats
+from engine.stats import QualityReport, RequestStats
 
 # -- settings -----------------------------------------------------------------------------------
 
@@ -121,9 +129,29 @@ def test_stats_header_format() -> None:
         request_id="r", model="m", device="cpu", dtype="float32", prompt_tokens=140, completion_tokens=16,
         preprocessing_ms=1.0, inference_ms=2.0, postprocessing_ms=0.5, ttft_ms=1.5, decode_tokens_per_s=1.0,
         tokens_per_s=1.0, sensitivity=0.5, pruning_ratio=0.3, executed_flops=7, dense_flops=10,
-        layers_bypassed=[2, 5, 7], heads_gated=12, activation_sparsity=0.41,
+        layers_bypassed=[2, 5, 7], heads_gated=12, activation_sparsity=0.41, prefill_pruning_ratio=0.25,
+        decode_pruning_ratio=0.5,
     )
-    assert stats_header(stats) == "layers_bypassed=3,heads_gated=12,sparsity=0.41,total_tokens=156"
+    assert stats_header(stats) == ("layers_bypassed=3,heads_gated=12,sparsity=0.41,total_tokens=156,"
+                                   "prefill_ratio=0.25,decode_ratio=0.5")
+    scored = replace(stats, quality=QualityReport(token_agreement=0.9375, dense_perplexity=3.0, pruned_perplexity=3.1,
+                                                  perplexity_delta_pct=3.3333, scored_tokens=16))
+    assert stats_header(scored).endswith(",decode_ratio=0.5,agreement=0.9375,ppl_delta_pct=3.3333")
+    assert parse_stats_header(stats_header(scored)) == {
+        "layers_bypassed": 3, "heads_gated": 12, "sparsity": 0.41, "total_tokens": 156, "prefill_ratio": 0.25,
+        "decode_ratio": 0.5, "agreement": 0.9375, "ppl_delta_pct": 3.3333}  # what the collector reads back
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("on", True), ("ON", True), ("off", False),
+                                             (" true ", True), ("0", False)])
+def test_quality_header_is_a_switch(value, expected) -> None:
+    assert parse_quality(value) is expected
+
+
+def test_quality_header_rejects_anything_else() -> None:
+    with pytest.raises(APIError) as caught:
+        parse_quality("maybe")
+    assert (caught.value.status_code, caught.value.body()["error"]["param"]) == (400, "X-Pruning-Quality")
 
 
 def test_endpoint_label_is_bounded() -> None:
