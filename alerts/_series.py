@@ -106,6 +106,10 @@ def _ms(value: float | None) -> float | None:
 
 GAUGES: dict[str, _GaugeSpec] = {
     "prunewatch_pruning_ratio": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id}, lambda r: r.pruning_ratio),
+    "prunewatch_prefill_pruning_ratio": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id},
+                                                   lambda r: r.prefill_pruning_ratio),
+    "prunewatch_decode_pruning_ratio": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id},
+                                                  lambda r: r.decode_pruning_ratio),
     "prunewatch_token_agreement": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id}, lambda r: r.token_agreement),
     "prunewatch_tokens_per_second": _GaugeSpec(_md, lambda r: r.tokens_per_s),
     "prunewatch_dram_bytes_per_instruction": _GaugeSpec(
@@ -120,6 +124,8 @@ HISTOGRAMS: dict[str, _HistogramSpec] = {
     "prunewatch_preprocessing_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.preprocessing_ms), PHASE_BUCKETS),
     "prunewatch_postprocessing_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.postprocessing_ms),
                                                                 PHASE_BUCKETS),
+    "prunewatch_quality_check_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.quality_ms),
+                                                               PROBE_DURATION_BUCKETS),
     "prunewatch_time_to_first_token_seconds": _HistogramSpec(_md, lambda r: _ms(r.ttft_ms), PHASE_BUCKETS),
     "prunewatch_probe_duration_seconds": _HistogramSpec(
         lambda r: {"model": r.model, "target": r.target, "status": r.status}, lambda r: _ms(r.duration_ms),

@@ -61,6 +61,7 @@ def test_synthetic_results_map_to_the_collector_metrics() -> None:
     ]
     results[0].tokens_per_s, results[0].dram_bytes_per_instruction, results[0].dram_source = 20.5, 3.5, "ncu"
     results[2].preprocessing_ms, results[2].postprocessing_ms, results[2].ttft_ms = 2.0, 30.0, 75.0
+    results[2].prefill_pruning_ratio, results[2].decode_pruning_ratio, results[2].quality_ms = 0.0, 0.42, 1500.0
     for r in results:
         r.duration_ms = 1234.0
     assert_same(results)
