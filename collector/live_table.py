@@ -1,44 +1,40 @@
-"""A live terminal table of the last round per domain (rich)."""
+"""A live terminal table of the last round: one row per probe, with the answer the model gave (rich)."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
 from collector.probe_round import RoundSummary
+from collector.results import ProbeResult
+
+ANSWER_CHARS = 60  # enough to recognise an answer (or a broken one) at a glance
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _answer(result: ProbeResult) -> str:
+    if not result.ok:
+        return f"[red]{result.failure_reason or 'failed'}[/red]: {(result.error_message or '')[:ANSWER_CHARS]}"
+    text = " ".join((result.output_text or "").split())
+    return text if len(text) <= ANSWER_CHARS else text[:ANSWER_CHARS - 1] + "…"
+
+
 def round_table(summary: RoundSummary, round_number: int) -> Table:
-    """Per domain: mean ratio (measured), latency breakdown, tokens/s, agreement, failures."""
+    """Per probe, by domain: ratio (request and decode), latency, tokens/s, agreement and the answer."""
     table = Table(title=f"prunewatch · round {round_number} · target {summary.target}", title_justify="left",
-                  caption="all figures measured on this round's probes (means per domain); ratio in linear-layer FLOPs",
-                  caption_justify="left")
-    for column in ("domain", "probes", "ratio", "pre ms", "infer ms", "post ms", "TTFT ms", "tok/s",
-                   "agreement", "failed"):
-        table.add_column(column, justify="left" if column == "domain" else "right")
-    by_domain: dict[str, list] = {}
-    for result in summary.results:
-        by_domain.setdefault(result.domain, []).append(result)
-
-    def mean(values: list[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return sum(present) / len(present) if present else None
-
-    for domain in sorted(by_domain):
-        results = by_domain[domain]
-        ok = [r for r in results if r.ok]
+                  caption="all figures measured on this round's probes; ratios in linear-layer FLOPs, agreement "
+                          "teacher-forced against the dense model", caption_justify="left")
+    for column in ("domain", "probe", "ratio", "decode", "infer ms", "quality ms", "tok/s", "agreement", "answer"):
+        table.add_column(column, justify="left" if column in ("domain", "probe", "answer") else "right",
+                         overflow="fold" if column == "answer" else "ellipsis")
+    for result in sorted(summary.results, key=lambda r: (r.domain, r.probe_id)):
         table.add_row(
-            domain, str(len(results)),
-            _fmt(mean([r.pruning_ratio for r in ok]), ".3f"),
-            _fmt(mean([r.preprocessing_ms for r in ok]), ".1f"),
-            _fmt(mean([r.inference_ms for r in ok]), ".1f"),
-            _fmt(mean([r.postprocessing_ms for r in ok]), ".1f"),
-            _fmt(mean([r.ttft_ms for r in ok]), ".1f"),
-            _fmt(mean([r.tokens_per_s for r in ok]), ".1f"),
-            _fmt(mean([r.token_agreement for r in ok]), ".3f"),
-            str(len(results) - len(ok)),
+            result.domain, result.probe_id,
+            _fmt(result.pruning_ratio, ".3f"), _fmt(result.decode_pruning_ratio, ".3f"),
+            _fmt(result.inference_ms, ".0f"), _fmt(result.quality_ms, ".0f"),
+            _fmt(result.tokens_per_s, ".1f"), _fmt(result.token_agreement, ".3f"),
+            _answer(result),
         )
     return table
