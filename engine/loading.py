@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -83,6 +85,20 @@ def weights_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def quiet_transformers_progress() -> Iterator[None]:
+    """transformers' own progress bars off while the caller shows its own status (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(path: Path, device: str = "auto") -> LoadedModel:
     """Load model and tokenizer; raise ModelLoadError with a one-line reason on failure."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -100,8 +116,9 @@ def load_model(path: Path, device: str = "auto") -> LoadedModel:
             "pruning ratio does not yet account for"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with quiet_transformers_progress():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"transformers could not load {path}: {exc}".splitlines()[0]) from exc
     model.to(torch_device)

@@ -194,21 +194,25 @@ def convert_gguf(gguf: Path, out: Path, progress: Progress | None = None) -> dic
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from engine.loading import quiet_transformers_progress
+
     report = progress or _ignore
     report("converting")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    settings = loaded.config.to_dict()
-    settings.pop("quantization_config", None)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)  # lm_head comes along; tied models re-tie below
+    with quiet_transformers_progress():  # the caller shows the stage
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        settings = loaded.config.to_dict()
+        settings.pop("quantization_config", None)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict(), strict=True)  # lm_head comes along; tied models re-tie below
     del loaded
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     if model.config.tie_word_embeddings and not tied:
         raise ModelLoadError(f"{gguf.name}: config ties lm_head to the embeddings but the converted model does not")
     report("saving")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with quiet_transformers_progress():
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
     for weights in out.glob("*.safetensors"):  # written via a 0600 temp file; give it the umask mode of the rest
         os.chmod(weights, (out / "config.json").stat().st_mode & 0o777)
     has_template = _keep_chat_template(tokenizer.chat_template, out)

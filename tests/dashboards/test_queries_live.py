@@ -258,7 +258,7 @@ def test_every_promql_target_returns_finite_data(live, dashboards):
             if not _finite_values(result):
                 empty.append(f"{query.label}: {result}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
-    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 26
+    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 29
 
 
 def test_every_sql_target_returns_rows(live, dashboards):
