@@ -100,13 +100,14 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
             "PruningRatioQualityRisk", compare(PROMQL_RATIO_BY_DOMAIN, ">", s.quality_red_line), risk_for,
             "warning", f"Pruning ratio of {WHERE} above the red line {red}",
             f"Pruning ratio is {_value('%.3f')} ({ratio_source}), above the configured red line {red} for "
-            f"{risk_for}; the seeds measured citation accuracy dropping above {risk}.",
+            f"{risk_for}. {red} is a configured default, not measured on this model; `prunewatch tune` "
+            "measures where quality falls for it.",
             f"{RUNBOOK}, then lower the pruning sensitivity for this domain before quality drops."),
         AlertSpec(
             "PruningRatioQualityRisk", compare(PROMQL_RATIO_BY_DOMAIN, ">", s.quality_risk_ratio), risk_for,
             "critical", f"Pruning ratio of {WHERE} above {risk}: answer quality at risk",
             f"Pruning ratio is {_value('%.3f')} ({ratio_source}), above the configured quality limit {risk} for "
-            f"{risk_for}, where the seeds measured citation accuracy dropping.",
+            f"{risk_for} (a configured default, not measured on this model; check token agreement).",
             f"{RUNBOOK}, then lower the pruning sensitivity for this domain and check token agreement."),
         AlertSpec(
             "QualityAgreementLow", compare(PROMQL_AGREEMENT_AVG_1H, "<", s.agreement_floor),

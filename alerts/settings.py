@@ -30,15 +30,18 @@ class RuleSettings(BaseSettings):
 
     ratio_low: float = Field(
         0.35, gt=0.0, lt=1.0,
-        description="24 h average pruning ratio below this means pruning saves little work (seeds: 0.35).")
+        description="24 h average pruning ratio below this means pruning saves little work (configured default, "
+                    "not measured here).")
     ratio_low_for: PromDuration = Field(
         timedelta(hours=2), description="How long the 24 h average must stay low before PruningRatioLow fires.")
     quality_red_line: float = Field(
         0.44, gt=0.0, lt=1.0,
-        description="Operational red line: above it PruningRatioQualityRisk fires as a warning (seeds: 0.44).")
+        description="Operational red line: above it PruningRatioQualityRisk fires as a warning (configured "
+                    "default, not measured here).")
     quality_risk_ratio: float = Field(
         0.45, gt=0.0, le=1.0,
-        description="Ratio above which the seeds measured citation accuracy dropping; fires as critical.")
+        description="Ratio above which PruningRatioQualityRisk fires as critical (configured default, not "
+                    "measured here; token agreement is the measured quality figure).")
     quality_risk_for: PromDuration = Field(
         timedelta(minutes=15), description="How long the ratio must stay above a quality line before it fires.")
     agreement_floor: float = Field(

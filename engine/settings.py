@@ -92,7 +92,8 @@ class EngineSettings(BaseSettings):
     signal_weights: SignalWeights = Field(default_factory=SignalWeights, description="Adaptive-threshold weights.")
     ratio_red_line: float = Field(
         0.44, ge=0.0, le=1.0,
-        description="Pruning ratio above which quality risk is flagged (quality fell above 0.45 in the field).",
+        description=("Pruning ratio above which a request is flagged as a quality risk: a configured default, not "
+                     "a measurement; token agreement (quality=True) is the measured quality figure."),
     )
     agreement_floor: float = Field(
         0.90, ge=0.0, le=1.0, description="Token agreement with the dense model below which a request is flagged."

@@ -25,32 +25,36 @@ class Assumptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # The seeds' ROI tables use these first three; they are placeholders a user must review.
+    # Every default below is a placeholder, not a measurement or a quoted price: the app and the report
+    # label it "assumed default" until the user enters a value; the dashboards' cost panels start from
+    # the same prices (dashboards/settings.py).
     requests_per_day: float = Field(
         50_000.0, ge=0.0, le=1e10, json_schema_extra=_meta("Request volume", "requests/day"),
         description="Production requests per day the GPUs serve (placeholder; enter your traffic).")
     gpu_hourly_usd: float = Field(
         0.91, gt=0.0, le=1_000.0, json_schema_extra=_meta("GPU price", "$/GPU-hour"),
-        description="Price of one GPU hour (the seeds' reference rental price).")
+        description="Price of one GPU hour (placeholder of the order of a small cloud GPU's hourly rental; "
+                    "enter yours).")
     gpu_utilisation: float = Field(
         0.70, ge=0.01, le=1.0, json_schema_extra=_meta("GPU utilisation", "fraction"),
-        description="Share of paid GPU time spent computing; 70% is a well-run serving fleet.")
+        description="Share of paid GPU time spent computing (placeholder; enter your fleet's).")
     incident_cost_usd: float = Field(
         400.0, ge=0.0, le=1e7, json_schema_extra=_meta("Cost per failed request", "$/incident"),
-        description="Support cost of one failed request (5xx or timeout) that becomes an incident.")
+        description="Support cost of one failed request (5xx or timeout) that becomes an incident (placeholder).")
     input_usd_per_mtok: float = Field(
         0.50, ge=0.0, le=1_000.0, json_schema_extra=_meta("Input token price", "$/1M tokens"),
-        description="Price of input (prompt) tokens: an API list price or your internal charge-back.")
+        description="Price of input (prompt) tokens: an API list price or your internal charge-back (placeholder).")
     output_usd_per_mtok: float = Field(
         1.50, ge=0.0, le=1_000.0, json_schema_extra=_meta("Output token price", "$/1M tokens"),
-        description="Price of output (completion) tokens, priced separately from input tokens.")
+        description="Price of output (completion) tokens, priced separately from input tokens (placeholder).")
     prunable_time_share: float = Field(
         0.80, ge=0.0, le=1.0, json_schema_extra=_meta("Prunable share of inference time", "fraction"),
         description="Share of inference time spent in the work the pruning ratio counts (linear layers); "
                     "used only when no dense baseline was measured.")
     implementation_cost_usd: float = Field(
         10_000.0, ge=0.0, le=1e9, json_schema_extra=_meta("Implementation cost", "$ one-off"),
-        description="One-off cost of deploying pruning (engineering time, validation); drives payback.")
+        description="One-off cost of deploying pruning (engineering time, validation); drives payback "
+                    "(placeholder).")
     # Overrides of measured figures: None means "use what the store measured".
     dense_inference_s: float | None = Field(
         None, gt=0.0, le=3_600.0, json_schema_extra=_meta("GPU time per request before pruning", "s/request"),

@@ -56,7 +56,7 @@ def test_firing_posts_once_then_resolved_once(store, receiver: SlackReceiver, ru
     assert post.text == (
         "*Pruning ratio of probe-llama on legal above 0.45: answer quality at risk*\n"
         "Pruning ratio is 0.600 (measured by the engine, each probe's last result averaged over the domain), above "
-        "the configured quality limit 0.45 for 0s, where the seeds measured citation accuracy dropping.\n"
+        "the configured quality limit 0.45 for 0s (a configured default, not measured on this model; check token agreement).\n"
         "Runbook: Run `prunewatch doctor` on the collector host, then lower the pruning sensitivity for this domain "
         "and check token agreement.\n")
     assert post.body["attachments"][0]["color"] == "danger"
