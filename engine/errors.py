@@ -10,7 +10,7 @@ class ModelLoadError(EngineError):
 
 
 class UnsupportedArchitectureError(EngineError):
-    """The model's decoder blocks cannot be located or wrapped safely."""
+    """The model's decoder blocks cannot be located or wrapped safely (raised when the model is loaded)."""
 
 
 class CalibrationMismatchError(EngineError):

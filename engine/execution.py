@@ -2,12 +2,14 @@
 
 Two independent mechanisms, so the pruning ratio is measured rather than predicted:
 - `BypassBlock` wraps each decoder block. When the active plan bypasses the block, it returns the
-  residual stream unchanged *before* any of the block's work runs; otherwise it calls the block.
+  residual stream unchanged *before* any of the block's work runs (packed as the block packs its
+  own output: a tensor, or a tuple for families such as Falcon); otherwise it calls the block.
   Either way it adds the dense cost of that block for the tokens it saw to the ledger.
 - forward hooks on every linear layer inside the blocks (and on the output head) add the FLOPs
   of each call that actually executed.
 pruning_ratio = 1 - executed / dense. A block that ran and whose output was discarded would still
-count as executed, because its linears' hooks fired.
+count as executed, because its linears' hooks fired. The ratio is never clamped: a negative value
+means work was over-counted, and the ledger logs a warning and says so (`overcounted`).
 
 The active plan and ledger live in a ContextVar, so concurrent requests on different threads never
 see each other's plans or counts. No transformers forward code is copied: blocks are wrapped and
@@ -17,6 +19,7 @@ linear layers are hooked, nothing else.
 from __future__ import annotations
 
 import contextlib
+import logging
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -25,6 +28,8 @@ import torch
 from torch import nn
 
 from engine.errors import InvalidRequestError, UnsupportedArchitectureError
+
+logger = logging.getLogger(__name__)
 
 MAX_SPARSITY = 0.95  # highest per-layer target a family factor can lift a request to
 _BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers")
@@ -104,10 +109,32 @@ class ExecutionLedger:
     # Snapshot of the two totals when the prompt's forward pass (the prefill) ended; None before.
     prefill_executed_flops: int | None = None
     prefill_dense_flops: int | None = None
+    # Set once the over-counting warning was logged, so reading the ratios again does not repeat it.
+    _overcount_warned: bool = field(default=False, repr=False, compare=False)
 
-    @staticmethod
-    def _ratio(executed: int, dense: int) -> float:
-        return 0.0 if dense <= 0 else max(0.0, 1.0 - executed / dense)
+    @property
+    def overcounted(self) -> bool:
+        """More work counted as executed than the dense model would do: a counting bug, never a saving.
+
+        Executed work is counted by the linear layers (or kernels) that ran and dense work by the
+        blocks that were entered, so executed <= dense must hold for every request and for the
+        activation-sparsity subtotal; the ratios report the true, negative value when it does not.
+        """
+        return (self.executed_flops > self.dense_flops
+                or self.sparse_executed_flops > self.sparse_dense_flops
+                or self.sparse_kept_entries > self.sparse_input_entries)
+
+    def _ratio(self, executed: int, dense: int) -> float:
+        """1 - executed / dense, unclamped: a negative value exposes over-counting instead of hiding it."""
+        if dense <= 0:
+            return 0.0
+        ratio = 1.0 - executed / dense
+        if ratio < 0.0 and not self._overcount_warned:
+            self._overcount_warned = True
+            logger.warning("execution ledger over-counts: %d FLOPs executed against %d dense (ratio %.6f); "
+                           "some work was counted twice, or counted outside a block that added its dense cost",
+                           executed, dense, ratio)
+        return ratio
 
     @property
     def pruning_ratio(self) -> float:
@@ -135,9 +162,7 @@ class ExecutionLedger:
     @property
     def activation_sparsity(self) -> float:
         """Share of the sparsity-wrapped linears' work skipped (union over a batch's rows)."""
-        if self.sparse_dense_flops <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.sparse_executed_flops / self.sparse_dense_flops)
+        return self._ratio(self.sparse_executed_flops, self.sparse_dense_flops)
 
     @property
     def input_sparsity(self) -> float:
@@ -221,13 +246,23 @@ def _count_head(flops_per_row: int) -> Callable:
 
 
 class BypassBlock(nn.Module):
-    """A decoder block that the active plan can turn into the identity on the residual stream."""
+    """A decoder block that the active plan can turn into the identity on the residual stream.
+
+    The identity has the shape of the wrapped block's own output, because the family's decoder loop
+    unpacks it: Llama-like blocks of transformers 5.x return the hidden states (B, T, C), Falcon's
+    return a tuple (hidden states, attention weights). The shape is learned from the block's real
+    output on every call it makes (`instrument` makes one dense call at wrap time), never from the
+    family's code; a bypass returns (hidden states, None, ...) for a tuple of n: nothing was computed.
+    """
 
     def __init__(self, block: nn.Module, index: int, dense_flops_per_row: int) -> None:
         super().__init__()
         self.block = block
         self.index = index
         self.dense_flops_per_row = dense_flops_per_row
+        # None: the block has not run yet; 0: it returns a bare tensor; n >= 1: a tuple of n items
+        # whose first is the hidden states.
+        self.output_arity: int | None = None
 
     def __getattr__(self, name: str):
         # transformers reads attributes such as `attention_type` off its decoder layers.
@@ -239,18 +274,36 @@ class BypassBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         active = _ACTIVE.get()
         if active is None:
-            return self.block(hidden_states, *args, **kwargs)
+            return self._run(hidden_states, *args, **kwargs)
         ledger = active.ledger
         ledger.dense_flops += self.dense_flops_per_row * _rows(hidden_states)
         if self.index in active.plan.bypass:
             ledger.block_bypasses[self.index] = ledger.block_bypasses.get(self.index, 0) + 1
-            return hidden_states  # (B, T, C): identity; this block's KV cache is never written
+            return self._identity(hidden_states)  # this block's KV cache is never written
         ledger.block_calls[self.index] = ledger.block_calls.get(self.index, 0) + 1
-        return self.block(hidden_states, *args, **kwargs)
+        return self._run(hidden_states, *args, **kwargs)
+
+    def _run(self, hidden_states: torch.Tensor, *args, **kwargs):
+        output = self.block(hidden_states, *args, **kwargs)
+        self.output_arity = len(output) if isinstance(output, tuple) else 0
+        return output
+
+    def _identity(self, hidden_states: torch.Tensor):
+        """The residual stream unchanged, packed the way the wrapped block packs its output."""
+        arity = self.output_arity
+        if arity is None:
+            raise UnsupportedArchitectureError(
+                f"decoder block {self.index} ({type(self.block).__name__}) has not run yet, so the shape of its "
+                "output is unknown and it cannot be bypassed; run one dense forward pass first (instrument() "
+                "and calibration do)")
+        if arity == 0:
+            return hidden_states  # (B, T, C)
+        return (hidden_states,) + (None,) * (arity - 1)  # e.g. Falcon: (hidden states, attention weights)
 
 
 def find_decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """Locate the decoder block list of a causal LM (Llama, Qwen2, Mistral, Phi-3, Gemma, GPT-2...)."""
+    """Locate the decoder block list of a causal LM (Llama, Qwen2, Mistral, Phi-3, Gemma, StableLM, GPT-2,
+    GPT-NeoX, OPT, Falcon)."""
     for path in _BLOCK_PATHS:
         node: object = model
         for part in path.split("."):
@@ -260,8 +313,9 @@ def find_decoder_blocks(model: nn.Module) -> nn.ModuleList:
         if isinstance(node, nn.ModuleList) and len(node) > 0:
             return node
     raise UnsupportedArchitectureError(
-        f"cannot find the decoder blocks of {type(model).__name__}; supported layouts: "
-        + ", ".join(_BLOCK_PATHS)
+        f"cannot find the decoder blocks of {type(model).__name__} (looked for {', '.join(_BLOCK_PATHS)}); "
+        "prunewatch prunes decoder-only transformers such as Llama, Mistral, Qwen2, Gemma, Phi-3, StableLM, "
+        "GPT-2, GPT-NeoX, OPT and Falcon: serve one of those"
     )
 
 
@@ -304,6 +358,23 @@ def instrument(model: nn.Module) -> InstrumentedModel:
         if head_flops is None:
             raise UnsupportedArchitectureError(f"{type(model).__name__} has no linear output head")
         head.register_forward_hook(_count_head(head_flops))
+    if any(b.output_arity is None for b in wrapped):
+        _learn_block_outputs(model, wrapped)
     head = model.get_output_embeddings()
     per_token = sum(b.dense_flops_per_row for b in wrapped) + (_linear_flops_per_row(head) or 0)
     return InstrumentedModel(model=model, blocks=wrapped, dense_flops_per_token=per_token)
+
+
+def _learn_block_outputs(model: nn.Module, blocks: list[BypassBlock]) -> None:
+    """One dense, cache-less forward pass of a single token, outside any plan (so nothing is counted),
+    for every block to show the shape of its output before any request can bypass it."""
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type == "meta":
+        return  # nothing to run yet: the blocks learn on their first real call
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=parameter.device), use_cache=False)  # (1, 1)
+    unseen = [b.index for b in blocks if b.output_arity is None]
+    if unseen:
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__}'s forward pass did not call decoder blocks {unseen}; they cannot be "
+            "wrapped for bypass")

@@ -6,7 +6,8 @@ A gated query head h of block l costs nothing in that block's projections:
   attention shares a key/value head among `heads / kv_heads` query heads);
 - o_proj reads only the input columns of kept heads, so the gated heads add nothing to the
   residual stream, exactly as if their attention output were zero.
-Fused projections (Phi-3's qkv_proj, GPT-2's c_attn) are cut the same way per segment.
+Fused projections (Phi-3's qkv_proj, GPT-2's c_attn, GPT-NeoX's and Falcon's query_key_value, whose
+heads are grouped per key/value head) are cut the same way, head by head.
 
 The gated set is part of the request's ExecutionPlan, fixed before the prefill, so a gated key /
 value head writes zeros into the KV cache at every step and no kept head ever reads them: prefill
@@ -32,17 +33,22 @@ from torch import nn
 
 from engine.execution import InstrumentedModel, current_execution, record_linear_work
 from engine.sparse.module import SparseLinear
-from engine.sparse.targets import is_conv1d
+from engine.sparse.targets import in_out, is_conv1d
 
 Role = Literal["output", "input"]
 
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of heads inside a projection's output (or o_proj's input) features."""
+    """One kind of head inside a projection's output (or o_proj's input) features, and where each sits."""
 
-    offset: int  # first feature of the run
     kind: Literal["query", "kv"]  # query heads, or key/value heads shared by a group of query heads
+    starts: tuple[int, ...]  # first feature of each head of that kind (head_dim features from there)
+
+    @classmethod
+    def packed(cls, kind: Literal["query", "kv"], offset: int, count: int, head_dim: int) -> "Segment":
+        """`count` heads back to back from feature `offset` (Llama's q/k/v, Phi-3's [q | k | v])."""
+        return cls(kind, tuple(offset + unit * head_dim for unit in range(count)))
 
 
 @dataclass(frozen=True)
@@ -62,20 +68,33 @@ class AttentionShape:
         return [k for k in range(self.kv_heads) if any(h not in gated for h in range(k * self.group, (k + 1) * self.group))]
 
     def kept_ranges(self, segments: tuple[Segment, ...], gated: frozenset[int]) -> tuple[tuple[int, int], ...]:
-        """Feature ranges [start, end) still computed when `gated` query heads are off (merged runs)."""
-        ranges: list[tuple[int, int]] = []
+        """Feature ranges [start, end) still computed when `gated` query heads are off (sorted, merged runs)."""
+        starts: list[int] = []
         for segment in segments:
             if segment.kind == "query":
                 kept = [h for h in range(self.heads) if h not in gated]
             else:
                 kept = self.kept_kv_heads(gated)
-            for unit in kept:
-                start = segment.offset + unit * self.head_dim
-                if ranges and ranges[-1][1] == start:
-                    ranges[-1] = (ranges[-1][0], start + self.head_dim)
-                else:
-                    ranges.append((start, start + self.head_dim))
+            starts.extend(segment.starts[unit] for unit in kept)
+        ranges: list[tuple[int, int]] = []
+        for start in sorted(starts):
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], start + self.head_dim)
+            else:
+                ranges.append((start, start + self.head_dim))
         return tuple(ranges)
+
+    def grouped_qkv(self) -> tuple[Segment, ...]:
+        """A fused projection grouped per key/value head: [q_0 .. q_{g-1} k v] for each of them.
+
+        GPT-NeoX and Falcon's query_key_value (Falcon-7B's multi-query [q_0 .. q_{n-1} k v] is one group,
+        GPT-NeoX's [q k v] per head is n groups of one, Falcon-40B's grouped layout everything between).
+        """
+        width = (self.group + 2) * self.head_dim  # one group's features
+        query = tuple((h // self.group) * width + (h % self.group) * self.head_dim for h in range(self.heads))
+        key = tuple(k * width + self.group * self.head_dim for k in range(self.kv_heads))
+        value = tuple(start + self.head_dim for start in key)
+        return Segment("query", query), Segment("kv", key), Segment("kv", value)
 
 
 class HeadGatedProjection(nn.Module):
@@ -204,33 +223,63 @@ def attention_shape(config) -> AttentionShape | None:
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     if not heads or not hidden:
         return None
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "new_decoder_architecture", False):  # Falcon-40B style: grouped key/value heads
+        kv_heads = getattr(config, "num_kv_heads", None) or heads
+    elif getattr(config, "multi_query", False):  # Falcon-7B style: one key/value head for all queries
+        kv_heads = 1
+    else:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     if heads % kv_heads:
         return None
     return AttentionShape(int(heads), int(kv_heads), int(head_dim))
 
 
-def _layout(attention: nn.Module, shape: AttentionShape) -> dict[str, tuple[Role, tuple[Segment, ...]]] | None:
-    """Projection attribute -> (role, segments) for the attention modules transformers ships."""
-    q_width = shape.heads * shape.head_dim
-    kv_width = shape.kv_heads * shape.head_dim
-    query, kv = (Segment(0, "query"),), (Segment(0, "kv"),)
-    names = {name for name, _ in attention.named_children()}
-    if {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:  # Llama, Qwen2, Mistral, Gemma
-        return {"q_proj": ("output", query), "k_proj": ("output", kv), "v_proj": ("output", kv),
-                "o_proj": ("input", query)}
-    if {"qkv_proj", "o_proj"} <= names:  # Phi-3: [q | k | v]
-        fused = (Segment(0, "query"), Segment(q_width, "kv"), Segment(q_width + kv_width, "kv"))
-        return {"qkv_proj": ("output", fused), "o_proj": ("input", query)}
-    if {"c_attn", "c_proj"} <= names:  # GPT-2: Conv1D [q | k | v], kv_heads == heads
-        fused = (Segment(0, "query"), Segment(q_width, "kv"), Segment(q_width + kv_width, "kv"))
-        return {"c_attn": ("output", fused), "c_proj": ("input", query)}
+def _features(projection: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of the linear (or Conv1D) under any head-gating or sparsity wrapper."""
+    if isinstance(projection, HeadGatedProjection):
+        projection = projection.dense_layer()
+    elif isinstance(projection, SparseLinear):
+        projection = projection.linear
+    if isinstance(projection, nn.Linear) or is_conv1d(projection):
+        return in_out(projection)
     return None
 
 
+def _layout(attention: nn.Module, shape: AttentionShape) -> dict[str, tuple[Role, tuple[Segment, ...]]] | None:
+    """Projection attribute -> (role, segments) for the attention modules transformers ships; None
+    when the names are unknown or a projection's width does not match the heads it should hold."""
+    q_width = shape.heads * shape.head_dim
+    kv_width = shape.kv_heads * shape.head_dim
+    query = (Segment.packed("query", 0, shape.heads, shape.head_dim),)
+    kv = (Segment.packed("kv", 0, shape.kv_heads, shape.head_dim),)
+    fused = (query[0], Segment.packed("kv", q_width, shape.kv_heads, shape.head_dim),
+             Segment.packed("kv", q_width + kv_width, shape.kv_heads, shape.head_dim))
+    names = {name for name, _ in attention.named_children()}
+    layout: dict[str, tuple[Role, tuple[Segment, ...]]] | None = None
+    if {"q_proj", "k_proj", "v_proj"} <= names and names & {"o_proj", "out_proj"}:
+        # Llama, Qwen2, Mistral, Gemma, StableLM (o_proj); OPT (out_proj)
+        out = "o_proj" if "o_proj" in names else "out_proj"
+        layout = {"q_proj": ("output", query), "k_proj": ("output", kv), "v_proj": ("output", kv),
+                  out: ("input", query)}
+    elif {"qkv_proj", "o_proj"} <= names:  # Phi-3: [q | k | v]
+        layout = {"qkv_proj": ("output", fused), "o_proj": ("input", query)}
+    elif {"c_attn", "c_proj"} <= names:  # GPT-2: Conv1D [q | k | v], kv_heads == heads
+        layout = {"c_attn": ("output", fused), "c_proj": ("input", query)}
+    elif {"query_key_value", "dense"} <= names:  # GPT-NeoX, Falcon: grouped per key/value head
+        layout = {"query_key_value": ("output", shape.grouped_qkv()), "dense": ("input", query)}
+    if layout is None:
+        return None
+    for name, (role, segments) in layout.items():
+        features = _features(getattr(attention, name))
+        width = sum(len(segment.starts) for segment in segments) * shape.head_dim
+        if features is None or features[1 if role == "output" else 0] != width:
+            return None
+    return layout
+
+
 def _attention_of(block: nn.Module) -> nn.Module | None:
-    for name in ("self_attn", "attn", "attention"):
+    for name in ("self_attn", "attn", "attention", "self_attention"):
         module = getattr(block, name, None)
         if isinstance(module, nn.Module):
             return module

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from engine.errors import ModelLoadError
+from engine.execution import find_decoder_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ def quiet_transformers_progress() -> Iterator[None]:
 
 
 def load_model(path: Path, device: str = "auto") -> LoadedModel:
-    """Load model and tokenizer; raise ModelLoadError with a one-line reason on failure."""
+    """Load model and tokenizer; raise ModelLoadError with a one-line reason on failure, and
+    UnsupportedArchitectureError (one line) for a model whose decoder blocks the engine cannot find."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -121,6 +123,7 @@ def load_model(path: Path, device: str = "auto") -> LoadedModel:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"transformers could not load {path}: {exc}".splitlines()[0]) from exc
+    find_decoder_blocks(model)  # UnsupportedArchitectureError (one line) for a family the engine cannot wrap
     model.to(torch_device)
     model.eval()
     return LoadedModel(

@@ -1,8 +1,10 @@
 """Which linear layers of a decoder get activation sparsity, and facts about their weights.
 
 Targets are found by name inside each decoder block: the attention and MLP projections of the
-Llama family (q/k/v/o, gate/up/down, also Qwen2, Mistral, Gemma), Phi-3's fused qkv_proj and
-gate_up_proj, and GPT-2's Conv1D c_attn / c_proj / c_fc. The output head is never a target.
+Llama family (q/k/v/o, gate/up/down, also Qwen2, Mistral, Gemma, StableLM), Phi-3's fused qkv_proj
+and gate_up_proj, GPT-2's Conv1D c_attn / c_proj / c_fc, GPT-NeoX's and Falcon's query_key_value /
+dense / dense_h_to_4h / dense_4h_to_h, and OPT's q/k/v / out_proj / fc1 / fc2. Every default name
+maps to one projection family (`projection_family`). The output head is never a target.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ DEFAULT_PROJECTIONS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",  # Llama family
     "qkv_proj", "gate_up_proj",  # Phi-3
     "c_attn", "c_proj", "c_fc",  # GPT-2 (Conv1D)
+    "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",  # GPT-NeoX, Falcon
+    "out_proj", "fc1", "fc2",  # OPT (with q_proj, k_proj, v_proj)
 )
 
 
@@ -27,6 +31,8 @@ _FAMILY_OF = {
     "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in", "c_attn": "attn_in",
     "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "c_fc": "mlp_in",
     "down_proj": "mlp_out",
+    "query_key_value": "attn_in", "out_proj": "attn_out", "dense_h_to_4h": "mlp_in", "fc1": "mlp_in",
+    "dense_4h_to_h": "mlp_out", "fc2": "mlp_out",
 }
 
 
@@ -35,11 +41,15 @@ def projection_family(name: str) -> str | None:
 
     `name` is the path inside the decoder block (e.g. "self_attn.o_proj", GPT-2's "attn.c_proj").
     The four families differ most in how much sparsity they tolerate, so allocation is per family.
+    None for a name no family is known for.
     """
     parts = name.replace(".inner", "").split(".")
     leaf = parts[-1]
+    in_attention = any("attn" in p or "attention" in p for p in parts[:-1])
     if leaf == "c_proj":  # GPT-2 names both output projections c_proj; the parent tells them apart
-        return "attn_out" if any("attn" in p for p in parts[:-1]) else "mlp_out"
+        return "attn_out" if in_attention else "mlp_out"
+    if leaf == "dense":  # GPT-NeoX's attention.dense, Falcon's self_attention.dense; too generic elsewhere
+        return "attn_out" if in_attention else None
     return _FAMILY_OF.get(leaf)
 
 
@@ -74,10 +84,17 @@ def score_scale(module: nn.Module, score: str) -> torch.Tensor:
     raise ValueError(f"score must be 'magnitude' or 'wina', got {score!r}")
 
 
+# Names too generic to mean one projection everywhere: a target only where projection_family places them.
+_AMBIGUOUS = frozenset({"dense"})
+
+
 def _is_target(name: str, module: nn.Module, projections: Sequence[str]) -> bool:
     if not (isinstance(module, nn.Linear) or is_conv1d(module)):
         return False
-    return any(part in projections for part in name.split("."))
+    matched = [part for part in name.replace(".inner", "").split(".") if part in projections]
+    if not matched:
+        return False
+    return any(part not in _AMBIGUOUS for part in matched) or projection_family(name) is not None
 
 
 def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[str] = DEFAULT_PROJECTIONS,

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from engine import EngineSettings, PruningEngine
 from engine.execution import ExecutionLedger, ExecutionPlan
+from engine.sparse import SparseLinear
+from engine.sparse.targets import projection_family
 from probes import load_probes
 
 
 @pytest.fixture(scope="module")
 def sparse_engine(probe_model_dir, calibration_dir) -> PruningEngine:
+    """Layer bypass and activation sparsity on, head gating off: the replay below takes sparsity out of
+    the very same plan, and gated heads would change what the dense-input replay computes."""
     probe_set = load_probes()
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
-                                               calibration_dir=calibration_dir, activation_sparsity=0.5))
+                                               calibration_dir=calibration_dir, activation_sparsity=0.5,
+                                               influence_budget=0.5, head_gating=False))
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)  # installs the kernel too
     return engine
 
@@ -26,21 +34,55 @@ def test_sensitivity_zero_stays_dense_with_the_kernel_installed(sparse_engine, p
     assert sparse.stats.pruning_ratio == 0.0 and sparse.stats.activation_sparsity == 0.0
 
 
-def test_sparse_requests_skip_more_than_the_same_bypass_plan_alone(sparse_engine):
+def test_sparse_requests_skip_exactly_the_work_of_inactive_input_channels(sparse_engine):
     probe = load_probes().probes[3]
-    result = sparse_engine.generate(probe.prompt, system=probe.system, max_new_tokens=16, sensitivity=1.0)
+    steps = 12
+    result = sparse_engine.generate(probe.prompt, system=probe.system, max_new_tokens=steps, sensitivity=1.0)
     stats = result.stats
-    assert stats.activation_sparsity > 0.0
-    # Replay the same bypass plan without activation sparsity: the dense work is the same, the
-    # executed work is larger by exactly what the kernel skipped.
     prompt_ids = sparse_engine.render_prompt(probe.prompt, probe.system)
-    bypass_only = ExecutionPlan(frozenset(stats.layers_bypassed))
-    ledger = ExecutionLedger()
-    tokens = list(sparse_engine._decode(prompt_ids, bypass_only, ledger, 16, use_cache=True))
-    assert len(tokens) == stats.completion_tokens  # same tokens processed, so the dense work must match
-    assert ledger.dense_flops == stats.dense_flops
-    assert stats.executed_flops < ledger.executed_flops
-    assert stats.pruning_ratio > ledger.pruning_ratio
+    plan = sparse_engine.execution_plan(prompt_ids, 1.0, [], prompt_text=probe.prompt)
+    assert sorted(plan.bypass) == stats.layers_bypassed and plan.bypass  # the request's own plan, bypass included
+    assert plan.heads_gated == 0 and any(t > 0 for t in plan.layer_sparsity)
+
+    # Replay the request's plan with an independent count of what each kernel call had to read: the
+    # union over its rows of the input channels whose score passes the calibrated threshold.
+    oracle = {"skipped": 0, "kept": 0, "entries": 0}
+
+    def count(module: SparseLinear, args: tuple) -> None:
+        target = plan.sparsity_for(module.layer, projection_family(module.name))
+        if target <= 0.0:
+            return
+        x = args[0].reshape(-1, module.in_features)  # (rows, in)
+        keep = x.abs().float() * module.scale > torch.tensor(module.thresholds.at(target), dtype=torch.float32)
+        oracle["kept"] += int(keep.sum())
+        oracle["entries"] += keep.numel()
+        if x.shape[0] <= module.max_kernel_rows:  # longer calls run masked-then-dense, counted dense
+            active = int(keep.any(dim=0).sum())
+            oracle["skipped"] += 2 * module.out_features * (module.in_features - active) * x.shape[0]
+
+    wrapped = [m for m in sparse_engine.loaded.model.modules() if isinstance(m, SparseLinear)]
+    handles = [m.register_forward_pre_hook(count) for m in wrapped]
+    try:
+        ledger = ExecutionLedger()
+        tokens = list(sparse_engine._decode(prompt_ids, plan, ledger, steps, use_cache=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert tokens == result.token_ids[: len(tokens)] and len(tokens) == stats.completion_tokens
+    assert (ledger.executed_flops, ledger.dense_flops) == (stats.executed_flops, stats.dense_flops)
+
+    # The same plan without activation sparsity (same bypass, same number of token rows): the executed
+    # work is larger by exactly what the oracle says the kernel skipped, and by nothing else.
+    dense_inputs = replace(plan, activation_sparsity=0.0, layer_sparsity=(), family_scale=())
+    replay = ExecutionLedger()
+    replayed = list(sparse_engine._decode(prompt_ids, dense_inputs, replay, len(tokens), use_cache=True))
+    assert len(replayed) == len(tokens)  # the same rows ran, so the dense work must match
+    assert replay.dense_flops == ledger.dense_flops
+    assert oracle["skipped"] > 0
+    assert replay.executed_flops - ledger.executed_flops == oracle["skipped"]
+    assert ledger.sparse_kept_entries == oracle["kept"] and ledger.sparse_input_entries == oracle["entries"]
+    assert not ledger.overcounted and not replay.overcounted
+    assert stats.pruning_ratio > replay.pruning_ratio > 0.0  # bypass alone skips some, sparsity the rest
 
 
 def test_blacklisted_layers_keep_dense_inputs(sparse_engine):

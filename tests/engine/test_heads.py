@@ -11,7 +11,8 @@ import torch
 
 from engine import EngineSettings, PruningEngine
 from engine.execution import ExecutionLedger, ExecutionPlan, executing
-from engine.heads import HeadGatedProjection
+from engine.heads import HeadGatedProjection, HeadGating
+from engine.sparse.targets import in_out
 from probes import load_probes
 from tests.conftest import PROBE_MECHANISMS
 from tests.engine.test_bypass import _gated_flops_per_row
@@ -25,16 +26,18 @@ def _out_projection(engine: PruningEngine, layer: int) -> HeadGatedProjection:
     return next(p for p in engine.head_gating.projections[layer] if p.role == "input")
 
 
-def _expected_skipped_flops(engine: PruningEngine, tokens: int) -> int:
-    """Work of the gated heads from the projection weights' shapes (q/k/v rows, o columns)."""
-    config = engine.loaded.model.config
-    heads = config.num_attention_heads if hasattr(config, "num_attention_heads") else config.n_head
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    hidden = engine.loaded.model.get_input_embeddings().weight.shape[1]
-    head_dim = engine.head_gating.shape.head_dim
-    group = heads // kv_heads
+def _expected_skipped_flops(gating: HeadGating, heads: int, tokens: int) -> int:
+    """Work of the gated heads from the projection weights' shapes (q/k/v rows, o columns). The key/value
+    head count is read off the weights too: the attention-input projections are (heads + 2 kv_heads) x
+    head_dim wide (Falcon-7B's config says 4 key/value heads where its fused projection holds one)."""
     skipped = 0
-    for gated in GATED:
+    for layer, gated in enumerate(GATED):
+        projections = gating.projections[layer]
+        o_in, hidden = in_out(next(p for p in projections if p.role == "input").dense_layer())
+        head_dim = o_in // heads
+        qkv_width = sum(in_out(p.dense_layer())[1] for p in projections if p.role == "output")
+        kv_heads = (qkv_width // head_dim - heads) // 2
+        group = heads // kv_heads
         kv_off = sum(1 for k in range(kv_heads) if set(range(k * group, (k + 1) * group)) <= gated)
         skipped += 2 * hidden * head_dim * (2 * len(gated) + 2 * kv_off)
     return skipped * tokens
@@ -71,8 +74,63 @@ def test_gated_heads_equal_the_dense_model_without_their_output_and_are_not_comp
     assert not torch.allclose(gated[0, -1], engine.loaded.model(input_ids=ids).logits[0, -1], atol=1e-4)
 
     assert gated_ledger.dense_flops == dense_ledger.dense_flops == dense_ledger.executed_flops
-    assert dense_ledger.executed_flops - gated_ledger.executed_flops == _expected_skipped_flops(engine, ids.shape[1])
+    skipped = _expected_skipped_flops(engine.head_gating, 4, ids.shape[1])
+    assert dense_ledger.executed_flops - gated_ledger.executed_flops == skipped
     assert plan.heads_gated == 7
+
+
+def _falcon(**layout):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(3)
+    config = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                          max_position_embeddings=64, **layout)
+    return FalconForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("layout", [
+    dict(new_decoder_architecture=True, num_kv_heads=2),  # Falcon-40B: [q q k v] per key/value head
+    dict(multi_query=False),  # no multi-query: [q k v] per head, as GPT-NeoX
+])
+def test_falcon_fused_layouts_gate_exactly_the_gated_heads(layout):
+    from engine.execution import instrument
+    from engine.heads import install_head_gating
+
+    instrumented = instrument(_falcon(**layout))
+    gating = install_head_gating(instrumented)
+    assert gating is not None and gating.shape.kv_heads == layout.get("num_kv_heads", 4)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(5))
+    plan = ExecutionPlan(gated_heads=GATED)
+    gated_ledger, dense_ledger = ExecutionLedger(), ExecutionLedger()
+    with torch.no_grad(), executing(plan, gated_ledger):
+        gated = instrumented.model(input_ids=ids, use_cache=False).logits
+    head_dim = gating.shape.head_dim
+    handles = []
+    for layer, heads in enumerate(GATED):
+        mask = torch.ones(gating.shape.heads * head_dim)
+        for head in heads:
+            mask[head * head_dim:(head + 1) * head_dim] = 0
+        out_projection = next(p for p in gating.projections[layer] if p.role == "input")
+        handles.append(out_projection.inner.register_forward_pre_hook(lambda m, args, mask=mask: (args[0] * mask,)))
+    try:
+        with torch.no_grad(), executing(ExecutionPlan(), dense_ledger):
+            reference = instrumented.model(input_ids=ids, use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(gated, reference, rtol=1e-5, atol=1e-5)
+    assert dense_ledger.executed_flops - gated_ledger.executed_flops == _expected_skipped_flops(gating, 4, 9)
+
+
+def test_projection_widths_that_do_not_match_the_config_gate_nothing():
+    from engine.execution import instrument
+    from engine.heads import install_head_gating
+    from tests.engine.test_sparse_engine import _tiny_llama
+
+    model = _tiny_llama()
+    model.config.num_key_value_heads = 4  # k_proj / v_proj hold 2 key/value heads
+    assert install_head_gating(instrument(model)) is None
+    assert not any(isinstance(m, HeadGatedProjection) for m in model.modules())
 
 
 def test_kv_cache_is_consistent_under_a_head_gating_plan(probe_engine):
