@@ -109,6 +109,8 @@ class ExecutionLedger:
     # Snapshot of the two totals when the prompt's forward pass (the prefill) ended; None before.
     prefill_executed_flops: int | None = None
     prefill_dense_flops: int | None = None
+    prefill_sparse_dense_flops: int = 0  # ... and of the sparsity-wrapped subtotal
+    prefill_sparse_executed_flops: int = 0
     # Set once the over-counting warning was logged, so reading the ratios again does not repeat it.
     _overcount_warned: bool = field(default=False, repr=False, compare=False)
 
@@ -143,6 +145,8 @@ class ExecutionLedger:
     def end_prefill(self) -> None:
         """Mark the end of the prefill: what was counted so far is the prompt's work."""
         self.prefill_executed_flops, self.prefill_dense_flops = self.executed_flops, self.dense_flops
+        self.prefill_sparse_dense_flops, self.prefill_sparse_executed_flops = (
+            self.sparse_dense_flops, self.sparse_executed_flops)
 
     @property
     def prefill_pruning_ratio(self) -> float:
@@ -163,6 +167,15 @@ class ExecutionLedger:
     def activation_sparsity(self) -> float:
         """Share of the sparsity-wrapped linears' work skipped (union over a batch's rows)."""
         return self._ratio(self.sparse_executed_flops, self.sparse_dense_flops)
+
+    @property
+    def decode_activation_sparsity(self) -> float:
+        """Activation sparsity of the decode steps alone: the shape of one decode step, which is what a
+        per-step measurement (Nsight Compute's, engine.dram_profile) describes."""
+        if self.prefill_dense_flops is None:
+            return 0.0
+        return self._ratio(self.sparse_executed_flops - self.prefill_sparse_executed_flops,
+                           self.sparse_dense_flops - self.prefill_sparse_dense_flops)
 
     @property
     def input_sparsity(self) -> float:

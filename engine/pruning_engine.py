@@ -399,11 +399,16 @@ class PruningEngine:
         return profile
 
     def _dram_figure(self, plan: ExecutionPlan, ledger: ExecutionLedger) -> tuple[float | None, str]:
-        """(DRAM bytes per instruction, source): ncu when the profile holds this request's step shape."""
+        """(DRAM bytes per instruction, source): ncu when the profile holds this request's decode-step shape
+        (matched on the decode steps' sparsity: the dense prefill would pull a sparse request towards the
+        dense profile); else the CPU model-level estimate on a CPU. On a GPU that estimate's instruction
+        count (FLOPs / AVX2 FMA width) does not hold, so without a matching profile there is no figure."""
         if self.dram_profile is not None and not plan.bypass and plan.heads_gated == 0:
-            level = self.dram_profile.level_for(ledger.activation_sparsity)
+            level = self.dram_profile.level_for(ledger.decode_activation_sparsity)
             if level is not None:
                 return level.bytes_per_instruction, "ncu"
+        if self.loaded.device.type != "cpu":
+            return None, "unavailable"
         return estimate_dram_bytes_per_instruction(
             ledger.weight_bytes_read, ledger.kv_bytes_read, ledger.executed_flops), "estimate"
 

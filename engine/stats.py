@@ -14,7 +14,10 @@ RATIO_UNIT = "linear_flops"
 """The pruning ratio's unit: FLOPs of the linear (matmul) layers, 2 x in x out per token row.
 
 Attention-score products (QK^T, AV) are excluded from numerator and denominator alike, so the
-ratio slightly understates what a bypassed layer saves."""
+ratio slightly understates what a bypassed layer saves. The output head (LM head) is counted on
+both sides: it always runs, so it is in the dense work and in the executed work alike (on a small
+model with a large vocabulary it caps the ratio well below 1). A ratio below 0 is reported as
+measured, never clamped: it would mean work was counted twice."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class RequestStats:
     peak_memory_bytes: int = 0
     peak_memory_source: str = "rss_delta"  # or "cuda_max_allocated"
     dram_bytes_per_instruction: float | None = None
-    dram_source: str = "estimate"  # "ncu" when measured with Nsight Compute
+    dram_source: str = "estimate"  # "ncu" when measured with Nsight Compute; "unavailable" on a GPU without a profile
     finish_reason: str = "length"  # "stop" when the model emitted end of sequence
 
     def to_dict(self) -> dict[str, Any]:

@@ -80,3 +80,37 @@ def test_a_profile_of_another_model_is_refused_and_of_another_gpu_unused(tmp_pat
     (tmp_path / "old.json").write_text('{"format_version": 0}')
     with pytest.raises(CalibrationMismatchError, match="has format 0"):
         DramProfile.load(tmp_path / "old.json")
+
+
+def test_a_sparse_request_is_matched_on_its_decode_steps_not_its_dense_prefill(tmp_path, probe_model_dir,
+                                                                                calibration_dir, probe_engine):
+    """The whole request's sparsity is diluted by the dense prefill; a decode-step profile must be matched
+    on the decode steps' sparsity, or a sparse request would receive the dense step's figure."""
+    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
+                                               activation_sparsity=0.9, log_level="NONE"))
+    probe_set = load_probes()
+    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    probe = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=8, sensitivity=1.0).stats
+    assert probe.fallback_reason is None and not probe.layers_bypassed and probe.heads_gated == 0
+    assert probe.activation_sparsity < 0.05 < probe.decode_pruning_ratio  # prefill dense, decode sparse
+    # A profile with a dense level (which the whole-request figure lies near) and a level at the decode sparsity.
+    profile = _profile(engine.loaded.fingerprint)
+    decode_sparsity = engine_decode_sparsity(engine)
+    profile = replace(profile, levels=[profile.levels[0], replace(profile.levels[1], sparsity=round(decode_sparsity, 2))])
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    engine.dram_profile = engine._load_dram_profile(path)
+    stats = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=8, sensitivity=1.0).stats
+    assert (stats.dram_bytes_per_instruction, stats.dram_source) == (4.09, "ncu")
+
+
+def engine_decode_sparsity(engine: PruningEngine) -> float:
+    """The decode steps' activation sparsity of one request, read from its ledger."""
+    from engine.execution import ExecutionLedger
+
+    ids = engine.render_prompt(PROBE.prompt, PROBE.system)
+    plan = engine.execution_plan(ids, 1.0, [], prompt_text=PROBE.prompt)
+    ledger = ExecutionLedger()
+    for _ in engine._decode(ids, plan, ledger, 8, True):
+        pass
+    return ledger.decode_activation_sparsity
