@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Header, Security
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Request, Security
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -25,6 +25,7 @@ from engine.server.completions import CompletionService, GenerationSpec
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
+from engine.server.redaction import install_log_redaction
 from engine.server.schemas import (
     BatchRequest,
     BatchResponse,
@@ -56,6 +57,7 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
                registry: CollectorRegistry | None = None) -> FastAPI:
     """An ASGI app serving `engine`; metrics go to `registry` (a fresh one when None)."""
     settings = settings or ServerSettings()
+    install_log_redaction()  # before the first request line reaches uvicorn's access log
     auth = ApiKeyAuth.from_settings(settings)
     if not auth.enabled:
         logger.warning("no API keys configured (PRUNEWATCH_API_KEYS / PRUNEWATCH_API_KEYS_FILE): "
@@ -102,6 +104,7 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
                                           "value": {"model": engine.name, "prompt": "Hello", "max_tokens": 4}}}
 
     def pruning(
+        request: Request,
         sensitivity: str | None = Header(None, alias=ph.SENSITIVITY, description="0..1; 0 runs the dense model."),
         log_level: str | None = Header(None, alias=ph.LOG_LEVEL, description="NONE, SUMMARY or DETAILED."),
         blacklist: str | None = Header(None, alias=ph.BLACKLIST,
@@ -110,8 +113,14 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
             "on: also score this answer against the dense model (token agreement, perplexity delta; "
             "costs a dense re-run, reported as quality_ms). off or absent: no check.")),
     ) -> ph.PruningRequest:
-        """The X-Pruning-* request headers, declared once for every generating route."""
-        return ph.parse_pruning_headers(sensitivity, blacklist, log_level, engine.num_layers, quality)
+        """The X-Pruning-* request headers, declared once for every generating route.
+
+        The parameters document the headers in the OpenAPI description; the values are read from
+        all of the request's headers instead, because FastAPI keeps only one copy of a repeated
+        header and a repeated pruning header must be refused, not resolved.
+        """
+        del sensitivity, log_level, blacklist, quality
+        return ph.parse_request_headers(request.headers, engine.num_layers)
 
     async def respond(spec: GenerationSpec) -> Response:
         slot = service.admit()[0]

@@ -58,12 +58,14 @@ def invalid_request(error: InvalidRequestError, param: str | None = None) -> API
     return APIError(400, str(error), param=param, code="invalid_value")
 
 
-# pydantic's union member tags in an error location: 'str', 'list[TextPart]', 'function-after[...]'
-_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+# pydantic's union member tags in an error location: 'str', 'list[TextPart]', 'function-after[...]',
+# and a batch item's discriminator value ('/v1/completions'), which no client field is named after.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\]|/.*)$")
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
-    """`body.messages.0.content.list[TextPart]` -> `messages.0.content`: the field a client sent."""
+    """`body.messages.0.content.list[TextPart]` -> `messages.0.content`: the field a client sent;
+    `body.requests.0./v1/completions.custom_id` -> `requests.0.custom_id`."""
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("body", "header", "query", "path"):
         parts = parts[1:]
@@ -82,6 +84,17 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 _HTTP_CODES = {400: "invalid_request_body", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_REASON_CHARS = 200
+
+
+def _reason(error: BaseException) -> str:
+    """Why a body could not be read, for the client: the first clause of the error, cut short.
+
+    FastAPI answers 400 "There was an error parsing the body" for what json.loads refuses beyond
+    syntax: an integer of more than 4300 digits, bytes that are not UTF-8, nesting too deep to
+    recurse into. What follows a ';' is Python's advice to the server's operator, not the client's.
+    """
+    return str(error).split(";", 1)[0][:_REASON_CHARS] or type(error).__name__
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -102,6 +115,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
+            message = f"{message}: {_reason(exc.__cause__)}"
         return APIError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code),
                         headers=exc.headers).response()
 

@@ -2,6 +2,8 @@
 
 Pure ASGI rather than `BaseHTTPMiddleware` so streamed responses pass through untouched and auth
 runs before the body is read or parsed: an unauthenticated client learns nothing about validation.
+Keys come only from the Authorization header; one in the query string is refused, since URLs end
+up in access logs and proxy logs (see `redaction`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from starlette.datastructures import Headers
 from engine.server.auth import ApiKeyAuth
 from engine.server.errors import AUTHENTICATION, APIError
 from engine.server.metrics import ServerMetrics
+from engine.server.redaction import has_secret_param
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -82,15 +85,35 @@ class AuthMiddleware:
         if self.auth.is_authorized(authorization):
             await self.app(scope, receive, send)
             return
-        message = ("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
-                   if not authorization else "Incorrect API key provided.")
+        if authorization:
+            message = "Incorrect API key provided."
+        elif has_secret_param(scope.get("query_string", b"")):
+            message = ("API keys are not accepted in the URL, where logs keep them; "
+                       "send it as 'Authorization: Bearer YOUR_KEY'.")
+        else:
+            message = "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
         error = APIError(401, message, type_=AUTHENTICATION, code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
 
 
+def _exceeds(content_length: str, limit: int) -> bool:
+    """Whether a Content-Length header states more than `limit` bytes; compared by its digits first,
+    since int() refuses more than 4300 of them. A malformed value is left to the body count."""
+    if not (content_length.isascii() and content_length.isdigit()):
+        return False
+    digits = content_length.lstrip("0")
+    return len(digits) > len(str(limit)) or int(digits or "0") > limit
+
+
 class BodyLimitMiddleware:
-    """413 for a body over `max_bytes`: at once from Content-Length, else while it streams in."""
+    """413 for a body over `max_bytes`: at once from Content-Length, else once the count passes it.
+
+    The body is read here, up to the limit, and handed to the app in one piece. Raising from inside
+    the app's own body read would not do: FastAPI turns any error there into a 400 "error parsing
+    the body", which is what a chunked upload (no Content-Length) used to get. Buffering costs
+    nothing extra, since the routes read the whole JSON body before parsing it anyway.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -105,18 +128,37 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isascii() and length.isdigit() and int(length) > self.max_bytes:
+        if length is not None and _exceeds(length, self.max_bytes):
             await self._too_large().response()(scope, receive, send)
             return
+        chunks: list[bytes] = []
         received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
+        left: Message | None = None  # http.disconnect before the body ended
+        more_body = True
+        while more_body:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self._too_large()  # raised inside the route's body read: rendered by the handler
-            return message
+            if message["type"] != "http.request":
+                left = message
+                break
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > self.max_bytes:
+                await self._too_large().response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more_body = message.get("more_body", False)
+        replayed = False
 
-        await self.app(scope, limited_receive, send)
+        async def replay() -> Message:
+            """The whole body once, then the client's own messages (a streaming route waits on them
+            for http.disconnect). A client gone mid-body is shown to the app as such, which answers
+            it as it would without this middleware, rather than leaving no status to count."""
+            nonlocal replayed
+            if left is not None:
+                return left
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -25,6 +25,8 @@ def _encodable(value: str) -> str:
     return value
 
 
+# Every free-text request field is Text, not str: the model name and custom_id are echoed back,
+# and a lone surrogate in a JSON answer cannot be encoded (a 500 instead of this 422).
 Text = Annotated[str, AfterValidator(_encodable)]
 
 # -- requests ----------------------------------------------------------------------------------
@@ -48,7 +50,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
-    name: str | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -63,7 +65,7 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationParams(_Request):
-    model: str = Field(description="The served model's id, as GET /v1/models lists it.")
+    model: Text = Field(description="The served model's id, as GET /v1/models lists it.")
     max_tokens: Annotated[int | None, Field(ge=1)] = Field(None, description="Completion length limit.")
     temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = Field(
         None, description="Accepted; decoding is greedy, so it has no effect.")
@@ -72,9 +74,9 @@ class _GenerationParams(_Request):
     n: Annotated[int | None, Field(ge=1, le=1)] = Field(None, description="Only one choice is generated.")
     stream: bool | None = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, description="Not supported yet: a non-empty value is a 400.")
+    stop: Text | list[Text] | None = Field(None, description="Not supported yet: a non-empty value is a 400.")
     seed: int | None = Field(None, description="Accepted; greedy decoding is deterministic anyway.")
-    user: str | None = None
+    user: Text | None = None
 
 
 class ChatCompletionRequest(_GenerationParams):
@@ -105,7 +107,7 @@ class PruningOverrides(BaseModel):
 class ChatBatchItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    custom_id: str | None = Field(None, max_length=256, description="Echoed back to match results to items.")
+    custom_id: Text | None = Field(None, max_length=256, description="Echoed back to match results to items.")
     url: Literal["/v1/chat/completions"]
     body: ChatCompletionRequest
     pruning: PruningOverrides | None = None
@@ -114,7 +116,7 @@ class ChatBatchItem(BaseModel):
 class CompletionBatchItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    custom_id: str | None = Field(None, max_length=256, description="Echoed back to match results to items.")
+    custom_id: Text | None = Field(None, max_length=256, description="Echoed back to match results to items.")
     url: Literal["/v1/completions"]
     body: CompletionRequest
     pruning: PruningOverrides | None = None

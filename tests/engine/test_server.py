@@ -8,6 +8,7 @@ travel intact, not merely that they are present. Generations are kept to a few t
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.pruning_engine import PruningEngine
 from engine.server import ServerSettings, build_engine, create_app, serve_in_background
+from engine.server import pruning_headers as ph
 
 MODEL_DIR = Path(__file__).parents[2] / "engine" / "models" / "probe-llama"
 API_KEY = "sk-prunewatch-test-key"
@@ -300,6 +302,127 @@ def test_unknown_routes_and_methods_keep_the_error_shape(http: httpx.Client) -> 
     assert (response.status_code, response.json()) == (404, error("Not Found", code="not_found"))
     response = http.get("/v1/chat/completions", headers=AUTH)
     assert (response.status_code, response.json()) == (405, error("Method Not Allowed", code="method_not_allowed"))
+
+
+# -- hostile input: absurd numbers, repeated headers, chunked bodies, keys in the URL -----------
+
+DIGITS = "9" * 5000  # past the 4300 digits int() and json.loads accept
+
+
+def generating_requests(engine: PruningEngine) -> list[tuple[str, dict[str, Any]]]:
+    chat = chat_body(engine, max_tokens=1)
+    return [("/v1/chat/completions", chat),
+            ("/v1/completions", {"model": engine.name, "prompt": PROMPT, "max_tokens": 1}),
+            ("/v1/batch", {"requests": [{"url": "/v1/chat/completions", "body": chat}]})]
+
+
+def with_raw_number(body: dict[str, Any], path: tuple[str | int, ...], number: str) -> bytes:
+    """`body` as JSON with the value at `path` replaced by a raw number literal json.dumps cannot write."""
+    copy = json.loads(json.dumps(body))
+    target: Any = copy
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = "@NUMBER@"
+    return json.dumps(copy).replace('"@NUMBER@"', number).encode()
+
+
+def test_absurd_numbers_in_headers_and_bodies_are_a_400_not_a_500(http: httpx.Client, engine: PruningEngine) -> None:
+    for path, body in generating_requests(engine):
+        for header in (ph.BLACKLIST, ph.SENSITIVITY):
+            response = http.post(path, json=body, headers={**AUTH, header: DIGITS})
+            assert response.status_code == 400, (path, header, response.text[:300])
+            detail = response.json()["error"]
+            assert (detail["param"], detail["code"], detail["type"]) == (header, "invalid_header",
+                                                                         "invalid_request_error")
+            assert detail["message"].endswith("(5000 characters)" + (
+                f" out of range; the model has layers 0..{engine.num_layers - 1}" if header == ph.BLACKLIST else ""))
+    # in a body, json.loads refuses the literal before any field is checked
+    item = {"url": "/v1/chat/completions", "body": chat_body(engine, max_tokens=1), "pruning": {"layer_blacklist": [1]}}
+    raw_cases = [("/v1/chat/completions", chat_body(engine), ("max_tokens",)),
+                 ("/v1/chat/completions", chat_body(engine, temperature=1), ("temperature",)),
+                 ("/v1/completions", {"model": engine.name, "prompt": PROMPT, "seed": 1}, ("seed",)),
+                 ("/v1/batch", {"requests": [item]}, ("requests", 0, "pruning", "layer_blacklist", 0)),
+                 ("/v1/batch", {"requests": [item]}, ("requests", 0, "body", "max_tokens"))]
+    for path, body, field in raw_cases:
+        response = http.post(path, content=with_raw_number(body, field, DIGITS),
+                             headers={**AUTH, "Content-Type": "application/json"})
+        assert (response.status_code, response.json()) == (400, error(
+            "There was an error parsing the body: Exceeds the limit (4300 digits) for integer string conversion: "
+            "value has 5000 digits", code="invalid_request_body")), (path, field)
+    # 4300 digits still parse: then the field's own check answers, for the item alone in a batch
+    just_parses = with_raw_number({"requests": [item]}, ("requests", 0, "body", "max_tokens"), "9" * 4300)
+    response = http.post("/v1/batch", content=just_parses,
+                         headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == 200
+    assert response.json()["data"][0]["error"]["code"] == "max_tokens_exceeded"
+
+
+def test_an_oversized_chunked_body_is_a_413_and_a_small_one_is_served(http: httpx.Client,
+                                                                      engine: PruningEngine) -> None:
+    """No Content-Length (Transfer-Encoding: chunked): the limit still answers 413, not a 400."""
+    def chunked(body: dict[str, Any]) -> Iterator[bytes]:
+        data = json.dumps(body).encode()
+        return (data[i:i + 1000] for i in range(0, len(data), 1000))
+
+    huge = http.post("/v1/completions", content=chunked({"model": engine.name, "prompt": "x" * 70_000}),
+                     headers={**AUTH, "Content-Type": "application/json"})
+    assert huge.request.headers.get("Transfer-Encoding") == "chunked" and "Content-Length" not in huge.request.headers
+    assert (huge.status_code, huge.json()) == (413, error(
+        "The request body is larger than this server's limit of 65536 bytes.", code="request_too_large"))
+    small = http.post("/v1/completions", content=chunked({"model": engine.name, "prompt": "x " * 40, "max_tokens": 1}),
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 1
+
+
+def test_a_repeated_pruning_header_is_refused_naming_it(http: httpx.Client, engine: PruningEngine) -> None:
+    for header, value, other in [(ph.SENSITIVITY, "0", "1"), (ph.BLACKLIST, "1", "1,2"), (ph.LOG_LEVEL, "NONE", "NONE"),
+                                 (ph.QUALITY, "off", "on")]:
+        for second in (value, other):
+            for path, body in generating_requests(engine):
+                twice = [*AUTH.items(), (header, value), (header.lower(), second)]
+                response = http.post(path, json=body, headers=twice)
+                assert (response.status_code, response.json()) == (400, error(
+                    f"{header}: sent 2 times; send it once", param=header, code="invalid_header")), (header, path)
+
+
+class _Lines(logging.Handler):
+    """Every record's final message, as any formatter would print it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_an_api_key_in_the_url_is_refused_and_never_logged(http: httpx.Client) -> None:
+    """Keys come only from `Authorization: Bearer`; one in the query string authorizes nothing and
+    reaches no log: uvicorn's access log (which does not propagate to the root logger) and ours."""
+    capture = _Lines()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.access", "uvicorn.error", "prunewatch")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(capture)
+        logger.setLevel(logging.INFO)
+    try:
+        for query in (f"api_key={API_KEY}", f"key={API_KEY}", f"model=m&access_token={API_KEY}",
+                      f"api%5Fkey={API_KEY}", f"x-api-key={API_KEY}"):
+            refused = http.get(f"/v1/models?{query}")
+            assert (refused.status_code, refused.json()) == (401, error(
+                "API keys are not accepted in the URL, where logs keep them; send it as "
+                "'Authorization: Bearer YOUR_KEY'.", "authentication_error", code="invalid_api_key")), query
+        served = http.get(f"/v1/models?api_key={API_KEY}", headers=AUTH)  # the header authorizes, the URL does not
+        assert served.status_code == 200
+        assert http.post(f"/v1/nothing?token={API_KEY}", headers=AUTH).status_code == 404
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(capture)
+            logger.setLevel(level)
+    assert any("/v1/models?api_key=[REDACTED]" in line and " 401" in line for line in capture.lines), capture.lines
+    assert any("/v1/models?model=m&access_token=[REDACTED]" in line for line in capture.lines), capture.lines
+    assert len([line for line in capture.lines if "[REDACTED]" in line]) >= 7
+    assert not [line for line in capture.lines if API_KEY in line]
 
 
 # -- the bounded queue --------------------------------------------------------------------------

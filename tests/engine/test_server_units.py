@@ -5,22 +5,34 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import json
+import logging
+import math
 import threading
 import time
 from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 
 from engine.server.admission import AdmissionQueue, QueueFullError
 from engine.server.auth import ApiKeyAuth, bearer_token, read_keys_file
-from engine.server.errors import APIError
-from engine.server.middleware import endpoint_label
+from engine.server.errors import APIError, _loc
+from engine.server.middleware import BodyLimitMiddleware, endpoint_label
+from engine.server.redaction import (
+    QuerySecretsFilter,
+    has_secret_param,
+    install_log_redaction,
+    redact_query,
+)
 from collector.http_target import parse_stats_header
 from engine.server.pruning_headers import (
+    PruningRequest,
     parse_blacklist,
     parse_log_level,
     parse_quality,
+    parse_request_headers,
     parse_sensitivity,
     stats_header,
 )
@@ -152,6 +164,118 @@ def test_quality_header_rejects_anything_else() -> None:
     with pytest.raises(APIError) as caught:
         parse_quality("maybe")
     assert (caught.value.status_code, caught.value.body()["error"]["param"]) == (400, "X-Pruning-Quality")
+
+
+def test_absurd_header_values_are_400s_that_quote_only_their_start() -> None:
+    """Past int()'s 4300 digits, a layer index is out of range without being converted."""
+    with pytest.raises(APIError) as caught:
+        parse_blacklist("9" * 5000, 12)
+    assert caught.value.message == ("X-Pruning-Blacklist: layer '" + "9" * 40 + "'... (5000 characters) out of range; "
+                                    "the model has layers 0..11")
+    assert parse_blacklist("0" * 5000 + "3, 011", 12) == (3, 11)  # leading zeros are still the layer
+    with pytest.raises(APIError, match=r"must be within \[0, 1\], got '9{40}'\.\.\. \(5000 characters\)$"):
+        parse_sensitivity("9" * 5000)
+    with pytest.raises(APIError, match="got 1e999$"):
+        parse_sensitivity("1e999")
+    for bad in ("1_0", "0_0", "0x1", "½", "0.5\xa0", "1e", "--1"):  # float() takes the first two
+        with pytest.raises(APIError, match="expected a number within"):
+            parse_sensitivity(bad)
+    zero = parse_sensitivity("-0")
+    assert zero == 0.0 and math.copysign(1.0, zero) == 1.0
+    assert parse_sensitivity("1e-400") == 0.0 and parse_sensitivity("\t.5 ") == 0.5
+    with pytest.raises(APIError, match=r"got 'x{40}'\.\.\. \(100 characters\)$"):
+        parse_log_level("x" * 100)
+    with pytest.raises(APIError, match=r"got 'on\\xa0'"):  # only HTTP's own whitespace is stripped
+        parse_quality("on\xa0")
+
+
+def test_a_pruning_header_sent_twice_is_refused() -> None:
+    def headers(*pairs: tuple[str, str]) -> Headers:
+        return Headers(raw=[(name.encode(), value.encode("latin-1")) for name, value in pairs])
+
+    assert parse_request_headers(headers(("x-pruning-sensitivity", "0.5"), ("x-pruning-quality", "on")), 12) == (
+        PruningRequest(sensitivity=0.5, quality=True))
+    for name, second in [("x-pruning-quality", "on"), ("x-pruning-quality", "off"), ("x-pruning-blacklist", "")]:
+        with pytest.raises(APIError) as caught:
+            parse_request_headers(headers(("x-pruning-sensitivity", "0.5"), (name, "on"), (name, second)), 12)
+        header = "X-Pruning-Quality" if "quality" in name else "X-Pruning-Blacklist"
+        assert (caught.value.status_code, caught.value.body()) == (400, {"error": {
+            "message": f"{header}: sent 2 times; send it once", "type": "invalid_request_error", "param": header,
+            "code": "invalid_header"}})
+
+
+def test_error_param_names_the_client_field_not_pydantic_tags() -> None:
+    assert _loc(("body", "requests", 0, "/v1/completions", "custom_id")) == "requests.0.custom_id"
+    assert _loc(("body", "messages", 0, "content", "list[TextPart]", 0, "text")) == "messages.0.content.0.text"
+
+
+# -- log redaction ------------------------------------------------------------------------------
+
+
+def test_query_secrets_are_redacted() -> None:
+    assert redact_query("/v1/models?api_key=sk-1&model=m") == "/v1/models?api_key=[REDACTED]&model=m"
+    assert redact_query("/a?KEY=1;access_token=2&q=3&api%5Fkey=4&x-api-key=5") == (
+        "/a?KEY=[REDACTED];access_token=[REDACTED]&q=3&api%5Fkey=[REDACTED]&x-api-key=[REDACTED]")
+    assert redact_query("key=value, but no query string") == "key=value, but no query string"
+    assert has_secret_param(b"model=m&apikey=") and has_secret_param("Token=x")
+    assert not has_secret_param(b"model=m&q=key") and not has_secret_param(b"")
+
+
+def test_the_log_filter_rewrites_uvicorn_access_lines_and_is_installed_once() -> None:
+    access = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", "/v1/models?key=sk-1&n=2", "1.1", 401), None)
+    assert QuerySecretsFilter().filter(access)
+    assert access.getMessage() == '127.0.0.1:5 - "GET /v1/models?key=[REDACTED]&n=2 HTTP/1.1" 401'
+    assert access.args[4] == 401  # uvicorn's AccessFormatter unpacks the five arguments
+    plain = logging.LogRecord("prunewatch.server", logging.INFO, __file__, 1, "GET /x?token=abc", None, None)
+    QuerySecretsFilter().filter(plain)
+    assert plain.getMessage() == "GET /x?token=[REDACTED]"
+    name = "prunewatch.test.redaction"
+    install_log_redaction([name])
+    install_log_redaction([name])
+    assert [type(f) for f in logging.getLogger(name).filters] == [QuerySecretsFilter]
+
+
+# -- request body limit -------------------------------------------------------------------------
+
+
+def test_body_limit_hands_the_app_the_whole_body_and_answers_413_past_it() -> None:
+    """Chunked (no Content-Length) or not, the app gets the body in one piece or never runs."""
+    received: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        received.extend([await receive(), await receive()])  # the body, then the client's disconnect
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def run(chunks: list[bytes], headers: list[tuple[bytes, bytes]] | None = None,
+            disconnect_after: int | None = None) -> list[dict]:
+        incoming = [{"type": "http.request", "body": c, "more_body": True} for c in chunks[:disconnect_after]]
+        if disconnect_after is None:
+            incoming[-1]["more_body"] = False
+        incoming += [{"type": "http.disconnect"}] * 2
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return incoming.pop(0)
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": headers or []}
+        asyncio.run(BodyLimitMiddleware(app, max_bytes=10)(scope, receive, send))
+        return sent
+
+    assert run([b"12345", b"", b"67890"])[0]["status"] == 200
+    assert received == [{"type": "http.request", "body": b"1234567890", "more_body": False},
+                        {"type": "http.disconnect"}]
+    received.clear()
+    for refused in (run([b"123456", b"78901"]), run([b"1"], [(b"content-length", b"9" * 5000)])):
+        assert refused[0]["status"] == 413
+        assert json.loads(refused[1]["body"])["error"]["code"] == "request_too_large"
+    assert received == []
+    run([b"123", b"45"], disconnect_after=1)  # the client leaves mid-body: the app is told, and answers
+    assert received == [{"type": "http.disconnect"}] * 2
 
 
 def test_endpoint_label_is_bounded() -> None:
