@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
 
 from collector.exporters import LogExporter, SqlExporter
 from collector.live_table import round_table
@@ -17,7 +20,7 @@ from collector.metrics import CollectorMetrics
 from collector.probe_round import RoundSummary
 from collector.scheduler import ProbeScheduler
 from collector.settings import CollectorSettings
-from collector.store import connect, create_schema
+from collector.store import ResultRepository, connect_without_writing, create_schema
 from collector.targets import InProcessTarget
 from collector.results import utcnow
 from engine import EngineSettings, PruningEngine
@@ -49,24 +52,36 @@ def _embedded_alerting(settings: CollectorSettings, db):
     return EmbeddedAlerting(alert_settings, db)
 
 
+def _close_interrupted_rounds(db: Engine, target: str, before: datetime) -> int:
+    """Rounds of `target` still open from a run that died mid-round, closed as aborted (see the repository)."""
+    with Session(db) as session, session.begin():
+        closed = ResultRepository(session).abort_open_rounds(target=target, started_before=before)
+    if closed:
+        logger.info("closed %d round(s) of %s left open by an earlier run as aborted", closed, target)
+    return closed
+
+
 def run_embedded(settings: CollectorSettings, console: Console | None = None,
                  calibration_dir: Path | None = None) -> RunOutcome:
     """Validate everything, then load, calibrate, schedule and run until done or interrupted.
 
     Order matters for "nothing written on bad input": the model folder, the probes, the /metrics
-    address and the database connection are all checked before the first row (or the SQLite
-    file) is written.
+    address and the database URL are checked first (the URL without creating a SQLite file), then
+    the model loads and is calibrated, and only then is the store created or migrated. A damaged
+    model therefore fails with one ModelLoadError and leaves no store file behind. Rounds of this
+    target that an earlier run left open (it was killed mid-round) are then closed as aborted.
     """
     console = console or Console(width=None if Console().is_terminal else 132)
+    started_at = utcnow()
     check_model_dir(settings.model_dir)
     probe_set = load_probes(settings.probes_path)
     metrics = CollectorMetrics()
     server = None
     if settings.metrics_port:  # bound first: a taken port fails before the model loads or a file is written
         server, _thread = start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)
+    db = None
     try:
-        db = connect(settings.db_url)
-        alerting = _embedded_alerting(settings, db) if settings.alerts else None
+        db = connect_without_writing(settings.db_url)
         with console.status("loading model"):
             overrides = ({} if settings.activation_sparsity is None
                          else {"activation_sparsity": settings.activation_sparsity})
@@ -76,11 +91,17 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         texts = probe_set.calibration_texts()
         with console.status("calibrating"):
             calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)
-        create_schema(db)
+        alerting = _embedded_alerting(settings, db) if settings.alerts else None  # after the model: its warnings
+        create_schema(db)  # the first write: creates a SQLite file
+        aborted = _close_interrupted_rounds(db, settings.target_name, started_at)
     except BaseException:
         if server is not None:
             server.shutdown()
+        if db is not None:
+            db.dispose()
         raise
+    if aborted:
+        console.print(f"closed {aborted} round(s) of {settings.target_name} left open by an earlier run as aborted")
     console.print(f"model {engine.name} on {engine.loaded.device.type} ({engine.num_layers} layers); calibration "
                   f"{'loaded from cache' if cached else 'measured'} for domains {sorted(calibration.domains)}")
     if server is not None:

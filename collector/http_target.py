@@ -165,6 +165,9 @@ def observation_from_response(response: httpx.Response, *, configured_model: str
     for key, name in STATS_HEADER_FIELDS.items():
         value = _float(body_figures[name])
         fields[name] = _float(header_stats.get(key)) if value is None else value
+    for name, width in (("device", 16), ("device_name", 128)):  # where the engine measured its timings
+        value = stats.get(name)
+        fields[name] = (value.strip()[:width] or None) if isinstance(value, str) else None
     fields["matched_domain"] = stats.get("domain")
     fields["fallback_reason"] = stats.get("fallback_reason")
     fields["dram_source"] = stats.get("dram_source") if fields["dram_bytes_per_instruction"] is not None else None

@@ -110,7 +110,8 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
             duration_ms = round((time.perf_counter() - began) * 1000, 3)
             if isinstance(generated, GenerationResult):
                 result = ProbeResult.from_stats(target=target.name, probe=probe, round_id=summary.round_id,
-                                                stats=generated.stats, text=generated.text, duration_ms=duration_ms)
+                                                stats=generated.stats, text=generated.text, duration_ms=duration_ms,
+                                                device_name=getattr(target, "device_name", None))
             else:
                 result = generated.to_result(target=target.name, probe=probe, round_id=summary.round_id,
                                              duration_ms=duration_ms)

@@ -66,6 +66,8 @@ class ProbeResult:
     dram_source: str | None = None
     duration_ms: float | None = None  # wall time of the whole probe as the collector saw it
     output_text: str | None = None
+    device: str | None = None  # where the timings were measured: "cpu", "cuda", ...; None when not reported
+    device_name: str | None = None  # e.g. the GPU's or CPU's model name; None when not reported
 
     @property
     def ok(self) -> bool:
@@ -81,7 +83,7 @@ class ProbeResult:
 
     @classmethod
     def from_stats(cls, *, target: str, probe: Probe, round_id: str, stats: RequestStats, text: str,
-                   duration_ms: float) -> "ProbeResult":
+                   duration_ms: float, device_name: str | None = None) -> "ProbeResult":
         quality = stats.quality
         return cls(
             target=target,
@@ -123,6 +125,8 @@ class ProbeResult:
             dram_source=stats.dram_source,
             duration_ms=duration_ms,
             output_text=text,
+            device=stats.device or None,
+            device_name=device_name,
         )
 
     @classmethod

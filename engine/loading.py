@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -86,6 +87,62 @@ def weights_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
+_MISMATCH_ROW = re.compile(r"^\s*(?P<key>\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((?P<ckpt>\[[^\]]*\])\)"
+                           r"\s*vs\s*model:\s*torch\.Size\((?P<model>\[[^\]]*\])\)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _HeldBack(logging.Handler):
+    """Keeps transformers' log records while a model loads, so a failed load ends in one line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _load_failure(model_dir: Path, exc: BaseException, held: list[logging.LogRecord]) -> str:
+    """One line saying why the weights or config.json of `model_dir` could not be loaded."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = lines[-1] if lines else type(exc).__name__  # multi-line library errors end with the specific line
+    if type(exc).__name__ == "SafetensorError":  # zero-byte, truncated or garbled *.safetensors
+        return f"the weights in {model_dir} are damaged or truncated (safetensors: {detail})"
+    for record in held:  # transformers logs which tensor mismatched before raising "look at the above report"
+        for row in _ANSI.sub("", record.getMessage()).splitlines():
+            match = _MISMATCH_ROW.match(row)
+            if match:
+                return (f"the weights in {model_dir} do not match its config.json: {match['key']} has shape "
+                        f"{match['ckpt']} in the file, the model expects {match['model']}")
+    if "mismatched_sizes" in detail or "size mismatch" in detail:
+        return f"the weights in {model_dir} do not match its config.json (a tensor has another shape)"
+    return f"cannot load the model in {model_dir}: {type(exc).__name__}: {detail}"
+
+
+@contextlib.contextmanager
+def _held_library_log() -> Iterator[_HeldBack]:
+    """transformers' log records kept back while a model loads: replayed on success (they may name
+    missing tensors), folded into the one-line error on failure."""
+    from transformers.utils import logging as hf_logging
+
+    library_logger = hf_logging.get_logger("transformers")  # configured now: its handler is added on first use
+    held = _HeldBack()
+    saved = library_logger.handlers[:]
+    library_logger.handlers = [held]
+    failed = False
+    try:
+        yield held
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        library_logger.handlers = saved
+        if not failed:
+            for record in held.records:
+                library_logger.handle(record)
+
+
 @contextlib.contextmanager
 def quiet_transformers_progress() -> Iterator[None]:
     """transformers' own progress bars off while the caller shows its own status (restored after)."""
@@ -117,12 +174,17 @@ def load_model(path: Path, device: str = "auto") -> LoadedModel:
             f"{path} is a mixture-of-experts model; its per-token work varies by routing, which the "
             "pruning ratio does not yet account for"
         )
+    held = _HeldBack()
     try:
-        with quiet_transformers_progress():
+        with quiet_transformers_progress(), _held_library_log() as held:
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"transformers could not load {path}: {exc}".splitlines()[0]) from exc
+    except Exception as exc:  # a damaged input, not a bug of ours: only library code runs here
+        # safetensors raises SafetensorError for a zero-byte or truncated file, transformers a RuntimeError
+        # for a tensor whose shape differs from config.json (after logging a multi-line report), and
+        # huggingface_hub a validation error for an inconsistent config.json: each becomes one line.
+        logger.debug("loading the model in %s failed", path, exc_info=True)
+        raise ModelLoadError(_load_failure(path, exc, held.records)) from exc
     find_decoder_blocks(model)  # UnsupportedArchitectureError (one line) for a family the engine cannot wrap
     model.to(torch_device)
     model.eval()

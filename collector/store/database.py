@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -52,6 +55,38 @@ def connect(url: str, *, check: bool = True) -> Engine:
             engine.dispose()
             reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
             raise StoreUnavailableError(f"cannot connect to database {safe_url(url)}: {reason}") from exc
+    return engine
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL names; None for another backend, an in-memory database or a bad URL."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def connect_without_writing(url: str) -> Engine:
+    """An Engine for `url`, checked as far as that is possible without creating or writing anything.
+
+    Why: bad input must leave nothing behind, and connecting to a SQLite file that does not exist
+    creates it. So a missing SQLite file is only checked to be creatable (its folder exists and is
+    writable) and is created by the first write (`create_schema`); an existing one, and any server
+    database, is checked with one round trip as `connect` does.
+    """
+    path = sqlite_file(url)
+    if path is None or path.exists():
+        return connect(url)
+    engine = connect(url, check=False)  # the URL parses and its driver imports
+    folder = path.parent if str(path.parent) else Path(".")
+    problem = (f"folder {folder} does not exist" if not folder.is_dir()
+               else f"folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK) else None)
+    if problem is not None:
+        engine.dispose()
+        raise StoreUnavailableError(f"cannot create database {safe_url(url)}: {problem}")
     return engine
 
 

@@ -65,3 +65,15 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
     except SQLAlchemyError as exc:
         raise StoreUnavailableError(f"cannot migrate the schema: {reason(exc)}") from exc
     return before, after or "base"
+
+
+def downgrade(engine: Engine, revision: str) -> tuple[str | None, str]:
+    """Migrate back to `revision`; returns (revision before, revision after). For tests and rollbacks."""
+    try:
+        with engine.begin() as connection:
+            before = MigrationContext.configure(connection).get_current_revision()
+            command.downgrade(_config(connection), revision)
+            after = MigrationContext.configure(connection).get_current_revision()
+    except SQLAlchemyError as exc:
+        raise StoreUnavailableError(f"cannot migrate the schema: {reason(exc)}") from exc
+    return before, after or "base"

@@ -16,6 +16,11 @@ class Base(DeclarativeBase):
     pass
 
 
+ROUND_RUNNING = "running"  # started; closed by its own end, or as aborted when its process died
+ROUND_COMPLETE = "complete"  # its collector recorded the end (counts as the round saw them)
+ROUND_ABORTED = "aborted"  # closed at a later start: counts from the results it stored, end at its last one
+
+
 class RoundRow(Base):
     """One probe round: every probe against one target."""
 
@@ -29,9 +34,11 @@ class RoundRow(Base):
     probes_ok: Mapped[int] = mapped_column(Integer, default=0)
     probes_failed: Mapped[int] = mapped_column(Integer, default=0)
     probe_set_digest: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default=ROUND_RUNNING, server_default=ROUND_RUNNING)
 
     __table_args__ = (
         Index("ix_collector_rounds_target_started_at", "target", "started_at"),
+        Index("ix_collector_rounds_status_target", "status", "target"),  # open rounds, found at each start
     )
 
 
@@ -83,6 +90,8 @@ class ProbeResultRow(Base):
     dram_source: Mapped[str | None] = mapped_column(String(16))
     duration_ms: Mapped[float | None] = mapped_column(Float)
     output_text: Mapped[str | None] = mapped_column(Text)
+    device: Mapped[str | None] = mapped_column(String(16))  # where timings were measured: cpu, cuda, ...
+    device_name: Mapped[str | None] = mapped_column(String(128))
 
     __table_args__ = (
         Index("ix_probe_results_created_at", "created_at"),

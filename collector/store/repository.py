@@ -10,7 +10,7 @@ from sqlalchemy import Insert, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from collector.results import ProbeResult
-from collector.store.models import ProbeResultRow, RoundRow
+from collector.store.models import ROUND_ABORTED, ROUND_COMPLETE, ROUND_RUNNING, ProbeResultRow, RoundRow
 
 _RESULT_FIELDS = [f.name for f in dataclasses.fields(ProbeResult)]
 
@@ -56,21 +56,67 @@ class ResultRepository:
                                 probe_set_digest=probe_set_digest)])
 
     def start_rounds(self, rounds: Sequence[dict]) -> None:
-        """Insert round rows (round_id, target, model, started_at, probe_set_digest); existing ids are kept."""
+        """Insert round rows (round_id, target, model, started_at, probe_set_digest); existing ids are kept.
+
+        A target runs one round at a time (the scheduler's max_instances=1), so a round of a target
+        that is still open when a later round of it starts was interrupted: its process died. It is
+        closed as aborted here, in the same transaction, whichever exporter writes (direct or replayed
+        from the disk buffer). Should it be alive after all (another collector probing a target of the
+        same name), its own `finish_round` marks it complete again with its real counts.
+        """
         if not rounds:
             return
         if self._supports_upsert():
             self.session.execute(self._insert_ignoring_duplicates(RoundRow.__table__, "round_id"),
-                                 [{**r, "probes_ok": 0, "probes_failed": 0} for r in rounds])
-            return
+                                 [{**r, "probes_ok": 0, "probes_failed": 0, "status": ROUND_RUNNING} for r in rounds])
+        else:
+            for r in rounds:
+                if self.session.get(RoundRow, r["round_id"]) is None:
+                    self.session.add(RoundRow(**r, probes_ok=0, probes_failed=0, status=ROUND_RUNNING))
+            self.session.flush()
+        latest: dict[str, datetime] = {}
         for r in rounds:
-            if self.session.get(RoundRow, r["round_id"]) is None:
-                self.session.add(RoundRow(**r))
+            latest[r["target"]] = max(latest.get(r["target"], r["started_at"]), r["started_at"])
+        for target, started_at in latest.items():
+            self.abort_open_rounds(target=target, started_before=started_at)
 
     def finish_round(self, round_id: str, *, finished_at: datetime, ok: int, failed: int) -> None:
-        """Set the round's end and counts; repeating it writes the same values (idempotent)."""
+        """Set the round's end and counts and mark it complete; repeating it writes the same values (idempotent)."""
         self.session.execute(update(RoundRow).where(RoundRow.round_id == round_id)
-                             .values(finished_at=finished_at, probes_ok=ok, probes_failed=failed))
+                             .values(finished_at=finished_at, probes_ok=ok, probes_failed=failed,
+                                     status=ROUND_COMPLETE))
+
+    @staticmethod
+    def _recorded_values() -> dict:
+        """A round's counts and end as its stored results tell them (correlated subqueries, one UPDATE)."""
+        mine = ProbeResultRow.round_id == RoundRow.round_id
+        ok = select(func.count()).where(mine, ProbeResultRow.status == "ok").scalar_subquery()
+        failed = select(func.count()).where(mine, ProbeResultRow.status != "ok").scalar_subquery()
+        last = select(func.max(ProbeResultRow.created_at)).where(mine).scalar_subquery()
+        return dict(probes_ok=ok, probes_failed=failed, finished_at=func.coalesce(last, RoundRow.started_at))
+
+    def abort_open_rounds(self, *, target: str | None = None, started_before: datetime | None = None) -> int:
+        """Close still-running rounds (of `target`, started before `started_before`) as aborted.
+
+        What they did record is kept: the counts come from their stored results, the end is their
+        last result's time (their start when they stored none). Returns how many were closed.
+        """
+        query = update(RoundRow).where(RoundRow.status == ROUND_RUNNING)
+        if target is not None:
+            query = query.where(RoundRow.target == target)
+        if started_before is not None:
+            query = query.where(RoundRow.started_at < started_before)
+        closed = self.session.execute(query.values(status=ROUND_ABORTED, **self._recorded_values())
+                                      .execution_options(synchronize_session=False))
+        return int(closed.rowcount or 0)
+
+    def _recount_aborted(self, round_ids: Iterable[str]) -> None:
+        """Results of an aborted round that arrive after it was closed (replayed from the disk buffer)
+        are counted in, so its counts always equal what it stored."""
+        ids = sorted(set(round_ids))
+        if ids:
+            self.session.execute(update(RoundRow).where(RoundRow.round_id.in_(ids), RoundRow.status == ROUND_ABORTED)
+                                 .values(**self._recorded_values()).execution_options(synchronize_session=False))
 
     def add(self, result: ProbeResult) -> bool:
         """Insert unless a row with the same result_id exists; returns whether it inserted."""
@@ -88,6 +134,7 @@ class ResultRepository:
                     self.session.add(ProbeResultRow(**values))
                     inserted += 1
             self.session.flush()
+            self._recount_aborted(v["round_id"] for v in rows)
             return inserted
         # Count what is new before inserting: drivers do not report rowcounts of batched inserts
         # reliably. The "on conflict do nothing" still guards against a concurrent writer.
@@ -96,6 +143,7 @@ class ResultRepository:
         fresh = list({v["result_id"]: v for v in rows if v["result_id"] not in before}.values())
         if fresh:
             self.session.execute(self._insert_ignoring_duplicates(ProbeResultRow.__table__, "result_id"), fresh)
+            self._recount_aborted(v["round_id"] for v in fresh)
         return len(fresh)
 
     def get(self, result_id: str) -> ProbeResult | None:

@@ -22,7 +22,6 @@ from engine.settings import EngineSettings, LogLevel
 
 logger = logging.getLogger("prunewatch.server")
 
-
 def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["auto", "cpu", "cuda"] = "auto",
                  *, probes_path: Path | None = None, calibration_dir: Path | None = None,
                  log_level: LogLevel = LogLevel.SUMMARY) -> PruningEngine:

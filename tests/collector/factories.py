@@ -21,7 +21,7 @@ def ok_result(**overrides) -> ProbeResult:
         inference_ms=420.25, postprocessing_ms=33.0, ttft_ms=80.5, tokens_per_s=19.04, decode_tokens_per_s=21.3,
         token_agreement=0.875, perplexity_delta_pct=1.25, matched_domain="tech", domain_confidence=0.91,
         fallback_reason=None, peak_memory_bytes=4096, dram_bytes_per_instruction=5.5, dram_source="estimate",
-        duration_ms=455.0, output_text="ip route show",
+        duration_ms=455.0, output_text="ip route show", device="cpu", device_name="Test CPU 9000",
     )
     values.update(overrides)
     return ProbeResult(**values)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from collector.cli import db_prune_command, db_upgrade_command
 from collector.store import ResultRepository, connect, create_schema
-from collector.store.migrate import current_revision, head_revision, upgrade
+from collector.store.migrate import current_revision, downgrade, head_revision, upgrade
 from collector.store.models import Base
 from collector.store.retention import parse_age, prune_older_than
 from tests.collector.factories import ok_result
@@ -30,15 +30,15 @@ def assert_schema_equals_models(engine) -> None:
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     assert {ix["name"] for ix in inspect(engine).get_indexes("probe_results")} == QUERY_INDEXES
-    assert current_revision(engine) == head_revision() == "0003"
+    assert current_revision(engine) == head_revision() == "0004"
 
 
 @pytest.mark.integration
 def test_postgres_upgrade_from_empty_then_again(postgres):
     engine = connect(fresh_database(postgres))
     assert current_revision(engine) is None
-    assert upgrade(engine) == (None, "0003")
-    assert upgrade(engine) == ("0003", "0003")  # idempotent
+    assert upgrade(engine) == (None, "0004")
+    assert upgrade(engine) == ("0004", "0004")  # idempotent
     assert_schema_equals_models(engine)
     with engine.connect() as connection:  # timestamps are zone-aware in PostgreSQL
         kinds = set(connection.execute(text(
@@ -54,7 +54,9 @@ def test_postgres_step_by_step_and_downgrade(postgres):
     assert "ix_probe_results_round_id" not in {ix["name"] for ix in inspect(engine).get_indexes("probe_results")}
     assert upgrade(engine, "0002") == ("0001", "0002")
     assert "decode_pruning_ratio" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
-    assert upgrade(engine) == ("0002", "0003")
+    assert upgrade(engine, "0003") == ("0002", "0003")
+    assert "device" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
+    assert upgrade(engine) == ("0003", "0004")
     assert_schema_equals_models(engine)
     engine.dispose()
 
@@ -71,17 +73,49 @@ def test_store_made_before_migrations_is_adopted(tmp_path):
         connection.execute(text("DROP INDEX ix_collector_rounds_target_started_at"))
     with Session(engine) as session, session.begin():
         repo = ResultRepository(session)
-        result = ok_result()
+        result = ok_result(device=None, device_name=None)  # as the first release stored it
         repo.start_round(round_id=result.round_id, target="t", model="m", started_at=NOW, probe_set_digest="d")
         repo.add(result)
-    with engine.begin() as connection:  # nor 0003's columns (the row written above has them NULL)
-        for column in ("prefill_pruning_ratio", "decode_pruning_ratio", "quality_ms"):
+    with engine.begin() as connection:  # nor 0003's and 0004's columns (the row written above has them NULL)
+        for column in ("prefill_pruning_ratio", "decode_pruning_ratio", "quality_ms", "device", "device_name"):
             connection.execute(text(f"ALTER TABLE probe_results DROP COLUMN {column}"))
+        connection.execute(text("DROP INDEX ix_collector_rounds_status_target"))
+        connection.execute(text("ALTER TABLE collector_rounds DROP COLUMN status"))
     create_schema(engine)
     assert_schema_equals_models(engine)
     with Session(engine) as session:
         assert ResultRepository(session).get(result.result_id) == result  # data kept
+    assert count_rows(str(engine.url), "SELECT status FROM collector_rounds") == [("running",)]  # never finished
     engine.dispose()
+
+
+def check_0004_upgrade(url: str) -> None:
+    """Rounds with an end become complete, open ones stay running; old results keep no device; twice is a no-op."""
+    engine = connect(url)
+    assert upgrade(engine, "0003")[1] == "0003"
+    with engine.begin() as connection:
+        for round_id, finished in (("d" * 32, NOW), ("o" * 32, None)):
+            connection.execute(text(
+                "INSERT INTO collector_rounds (round_id, target, model, started_at, finished_at, probes_ok, "
+                "probes_failed, probe_set_digest) VALUES (:id, 't', 'm', :started, :finished, 3, 0, 'd')"),
+                dict(id=round_id, started=NOW - timedelta(minutes=5), finished=finished))
+    assert upgrade(engine) == ("0003", "0004")
+    assert sorted(count_rows(url, "SELECT round_id, status FROM collector_rounds")) == [
+        ("d" * 32, "complete"), ("o" * 32, "running")]
+    assert downgrade(engine, "0003") == ("0004", "0003")  # drops what 0004 added; upgrading again restores it
+    assert "status" not in {c["name"] for c in inspect(engine).get_columns("collector_rounds")}
+    assert upgrade(engine) == ("0003", "0004")
+    assert_schema_equals_models(engine)
+    engine.dispose()
+
+
+def test_0004_upgrade_sqlite(tmp_path):
+    check_0004_upgrade(f"sqlite:///{tmp_path / 'm.db'}")
+
+
+@pytest.mark.integration
+def test_0004_upgrade_postgres(postgres):
+    check_0004_upgrade(fresh_database(postgres))
 
 
 def seed(engine, ages_days: dict[str, list[float]], now: datetime = NOW) -> dict[str, list[str]]:
@@ -153,9 +187,9 @@ def test_db_commands_against_postgres(postgres):
     runner = CliRunner()
     first = runner.invoke(cli(), ["db", "upgrade", "--db", url])
     assert first.exit_code == 0, first.output
-    assert "schema empty -> 0003" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
+    assert "schema empty -> 0004" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
     again = runner.invoke(cli(), ["db", "upgrade", "--db", url])
-    assert "schema 0003 -> 0003 (already current)" in again.output
+    assert "schema 0004 -> 0004 (already current)" in again.output
     engine = connect(url)
     seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
     engine.dispose()

@@ -66,11 +66,15 @@ def test_report_command_writes_pdf_and_html_with_the_cores_numbers(collected_sql
             assert headline.value in text, (basis, headline)
     assert "Cost before / month" in text and "Payback" in text
     assert f"{summary.results_total} probe requests measured" in text
-    assert result.inputs.describe_basis() in text  # how "after" was derived, word for word
+    # How "after" was derived, word for word, in the words of where the time was measured (CPU here).
+    assert result.inputs.describe_basis().replace("GPU time", "CPU time") in text
     assert f"Mean token agreement {pct(summary.token_agreement_mean)}" in text
     assert "Request volume 200,000 requests/day user-entered" in text
     assert " ".join(PROBE_MODEL_CAVEAT.split()) in text
     assert "GPU utilisation 70.0% fraction assumed-default" in text
+    # The collector ran the probe model on this machine's CPU: its times are CPU time, labelled so.
+    assert summary.time_label.startswith("CPU time per request (measured on cpu")
+    assert " ".join(f"{summary.time_label} is ".split()) in text and "GPU time per request is" not in text
     for section in ("Summary", "Savings and their basis", "Measured trends", "Sensitivity", "Quality kept",
                     "Method and assumptions", "Every input and its provenance"):
         assert section in text
@@ -118,3 +122,63 @@ def test_roi_command_checks_the_store_before_starting(tmp_path: Path) -> None:
     outcome = CliRunner().invoke(_cli(), ["roi", "--days", "45", "--db", "sqlite:///x.db"])
     assert outcome.exit_code == 2
     assert outcome.output.strip() == "error: --days must be one of 1, 7, 30, 60, 90, 180, 365, got 45"
+
+
+def _words(data) -> str:
+    """Every text of a report's blocks, one string (what the PDF and the HTML variant both print)."""
+    from roi import report as content
+
+    parts = []
+    for block in data.blocks:
+        if isinstance(block, content.Para):
+            parts.append(block.markup)
+        elif isinstance(block, content.Bullets):
+            parts.extend(block.items)
+        elif isinstance(block, content.Table):
+            parts.extend(cell for row in block.rows for cell in row)
+    return " ".join(parts)
+
+
+@pytest.mark.parametrize("device, name, label, gpu", [
+    ("cpu", "Test CPU 9000", "CPU time per request (measured on cpu: Test CPU 9000)", False),
+    ("cuda", "NVIDIA H200", "GPU time per request (measured on cuda: NVIDIA H200)", True),
+    (None, None, "Time per request (device not recorded)", False),
+])
+def test_report_labels_time_by_the_device_it_was_measured_on(device, name, label, gpu) -> None:
+    """CPU time is never called GPU time: the savings paragraph, the method and the inputs table say where."""
+    from dataclasses import replace
+
+    from roi.report import build_report
+    from tests.roi.factories import T0, WINDOW, measured_basis_results
+
+    results = [replace(r, device=device, device_name=name) for r in measured_basis_results()]
+    data = build_report(results, WINDOW, Assumptions(), 30, now=T0)
+    words = _words(data)
+    assert data.summary.time_label == label
+    assert f"{label} is " in words
+    caveat = "it was not measured on a GPU, so enter a production GPU time per request for GPU costs"
+    if gpu:
+        assert caveat not in words and "GPU time after / before" in words
+    else:  # no measured figure is called GPU time: not the savings paragraph, the basis, nor the inputs table
+        assert caveat in words
+        for claim in ("GPU time per request is", "GPU time per request after pruning =", "GPU time after / before",
+                      "savings come from GPU time"):
+            assert claim not in words
+        noun = label.split(" per ")[0]
+        assert f"{noun} after / before" in words  # the measured input, relabelled
+        assert f"Measured: {noun if noun != 'Time' else 'time'} per request after pruning = before" in words
+
+
+def test_mixed_devices_are_named_and_not_called_gpu_time() -> None:
+    from dataclasses import replace
+
+    from roi.measured import summarize
+    from tests.roi.factories import WINDOW, measured_basis_results
+
+    results = measured_basis_results()
+    results = [replace(r, device="cuda", device_name="NVIDIA H200") for r in results[:4]] + [
+        replace(r, device="cpu", device_name="Test CPU") for r in results[4:6]] + results[6:]
+    summary = summarize(results, WINDOW)
+    assert summary.timing_devices == {"cpu: Test CPU": 2, "cuda: NVIDIA H200": 4, "device not recorded": 1}
+    assert summary.time_label == ("Time per request (measured on cpu: Test CPU and cuda: NVIDIA H200, "
+                                  "device not recorded for 1 result(s))")
