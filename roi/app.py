@@ -221,8 +221,9 @@ def main() -> None:
     st.subheader(f"Cost per month by line ({basis.value} basis)")
     st.dataframe(pd.DataFrame(cost_rows(result, basis)), hide_index=True, width="stretch")
     times = result.gpu_time
-    st.caption(f"GPU time per request: before {number(times.before_s, 's/request')} ({times.before_provenance.value}), "
-               f"after {number(times.after_s, 's/request')} ({times.after_provenance.value}).")
+    st.caption(f"{summary.time_label}: before {number(times.before_s, 's/request')} "
+               f"({times.before_provenance.value}), after {number(times.after_s, 's/request')} "
+               f"({times.after_provenance.value}).")
     left, right = st.columns(2)
     left.download_button("Download inputs and results (CSV)", to_csv(result, summary), file_name="prunewatch-roi.csv",
                          mime="text/csv", key="download_csv")

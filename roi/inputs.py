@@ -145,7 +145,7 @@ def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> Resolv
     if summary.has_dense_baseline:
         basis = TimeBasis.MEASURED
         values["time_factor"] = InputValue(
-            key="time_factor", label="GPU time after / before", value=summary.matched_pruned_ms / summary.matched_dense_ms,  # type: ignore[operator]
+            key="time_factor", label=f"{summary.time_noun} after / before", value=summary.matched_pruned_ms / summary.matched_dense_ms,  # type: ignore[operator]
             unit="ratio", provenance=Provenance.MEASURED,
             note=f"pruned / dense inference time, mean over {summary.matched_probes} probes run in both configurations")
         values["dense_inference_s"] = _measured_or_override(
@@ -159,9 +159,9 @@ def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> Resolv
         basis = TimeBasis.ESTIMATED
         values["prunable_time_share"] = _assumed(assumptions, "prunable_time_share")
         values["pruned_inference_s"] = InputValue(
-            key="pruned_inference_s", label="GPU time per request after pruning", value=summary.pruned_inference_ms / 1000.0,
-            unit="s/request", provenance=Provenance.MEASURED,
-            note=f"mean inference time over {n_pruned} pruned probe requests")
+            key="pruned_inference_s", label=f"{summary.time_noun} per request after pruning",
+            value=summary.pruned_inference_ms / 1000.0, unit="s/request", provenance=Provenance.MEASURED,
+            note=f"mean inference time over {n_pruned} pruned probe requests, {summary.measured_on}")
         if assumptions.dense_inference_s is not None:
             estimate = summary.pruned_inference_ms / 1000.0 / max(1e-9, 1.0 - summary.mean_pruning_ratio
                                                                   * assumptions.prunable_time_share)

@@ -57,7 +57,7 @@ def test_default_inputs_show_the_cores_headline_and_provenance(monkeypatch, coll
     assert app.info[0].value.startswith("Estimated: no dense baseline was measured")
     provenance = _provenance(app)
     assert provenance["Request volume"] == "assumed-default"
-    assert provenance["GPU time per request after pruning"] == "measured"
+    assert provenance["CPU time per request after pruning"] == "measured"  # the collector ran on a CPU
     assert provenance["Prunable share of inference time"] == "assumed-default"
     assert any(c.value == PROBE_MODEL_CAVEAT for c in app.caption)  # the collector ran the bundled probe model
     assert len(app.get("download_button")) == 2  # CSV of inputs and results, JSON of assumptions
@@ -89,7 +89,7 @@ def test_overriding_dense_time_is_user_entered(monkeypatch, collected_sqlite: st
     expected = _expected(collected_sqlite, Basis.ALLOCATION, dense_inference_s=2.0)
     assert metrics["Cost before / month"] == expected["Cost before / month"]
     assert _provenance(app)["GPU time per request before pruning"] == "user-entered"
-    caption = next(c.value for c in app.caption if c.value.startswith("GPU time per request:"))
+    caption = next(c.value for c in app.caption if c.value.startswith("CPU time per request (measured on cpu"))
     assert "before 2.000 s (user-entered)" in caption and caption.endswith("(estimated).")
 
 
