@@ -178,7 +178,13 @@ def load_model(path: Path, device: str = "auto") -> LoadedModel:
     try:
         with quiet_transformers_progress(), _held_library_log() as held:
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model, report = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+            missing = sorted(report.get("missing_keys") or ())
+            if missing:  # transformers initialises them at random and only logs it: a damaged model
+                raise ModelLoadError(f"the weights in {path} lack {len(missing)} tensor(s) that config.json "
+                                     f"describes ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+    except ModelLoadError:
+        raise
     except Exception as exc:  # a damaged input, not a bug of ours: only library code runs here
         # safetensors raises SafetensorError for a zero-byte or truncated file, transformers a RuntimeError
         # for a tensor whose shape differs from config.json (after logging a multi-line report), and

@@ -99,6 +99,12 @@ def _bad_model(case: str, source: Path, root: Path) -> Path:
         name = sorted(k for k in tensors if k.endswith("q_proj.weight"))[0]
         tensors[name] = tensors[name][:7, :5].clone()
         save_file(tensors, weights, metadata={"format": "pt"})
+    elif case == "missing-tensor":  # transformers would fill it with random values and only warn
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        del tensors[sorted(k for k in tensors if k.endswith("down_proj.weight"))[0]]
+        save_file(tensors, weights, metadata={"format": "pt"})
     elif case == "config-not-json":
         (folder / "config.json").write_text("{not json")
     elif case == "config-inconsistent":  # valid JSON that transformers refuses
@@ -114,12 +120,13 @@ BAD_MODELS = {  # case -> what the one error line says
     "zero-byte": "are damaged or truncated (safetensors: ",
     "truncated": "are damaged or truncated (safetensors: ",
     "wrong-shape": "do not match its config.json: model.layers.0.self_attn.q_proj.weight has shape [7, 5] in the file",
+    "missing-tensor": "lack 1 tensor(s) that config.json describes (model.layers.0.mlp.down_proj.weight)",
     "config-not-json": "config.json in ",
     "config-inconsistent": "is not a multiple of the number of attention heads",
 }
 
 
-LIBRARY_FAILURES = ("zero-byte", "truncated", "wrong-shape", "config-inconsistent")  # safetensors, transformers
+LIBRARY_FAILURES = ("zero-byte", "truncated", "wrong-shape", "missing-tensor", "config-inconsistent")  # safetensors, transformers
 
 
 @pytest.mark.parametrize("command, case", [("run", case) for case in sorted(BAD_MODELS)]
