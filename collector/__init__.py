@@ -1,29 +1,38 @@
-"""The collector: runs canonical probes against engines on a schedule and records every result."""
+"""The collector: runs canonical probes against engines on a schedule and records every result.
 
-from collector.fleet import FleetSettings, build_jobs, run_collector
-from collector.http_target import HttpTarget
-from collector.metrics import CollectorMetrics
-from collector.probe_round import RoundSummary, run_round
-from collector.results import ProbeResult
-from collector.scheduler import ProbeScheduler, TargetJob
-from collector.settings import CollectorSettings
-from collector.target_config import TargetConfigError, load_targets
-from collector.targets import InProcessTarget, Target
+The public surface is resolved on first use, so that reading results (alerts, dashboards, ROI)
+does not load the engine and torch.
+"""
 
-__all__ = [
-    "CollectorMetrics",
-    "CollectorSettings",
-    "FleetSettings",
-    "HttpTarget",
-    "InProcessTarget",
-    "ProbeResult",
-    "ProbeScheduler",
-    "RoundSummary",
-    "Target",
-    "TargetConfigError",
-    "TargetJob",
-    "build_jobs",
-    "load_targets",
-    "run_collector",
-    "run_round",
-]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "CollectorMetrics": "collector.metrics",
+    "CollectorSettings": "collector.settings",
+    "FleetSettings": "collector.fleet",
+    "HttpTarget": "collector.http_target",
+    "InProcessTarget": "collector.targets",
+    "ProbeResult": "collector.results",
+    "ProbeScheduler": "collector.scheduler",
+    "RoundSummary": "collector.probe_round",
+    "Target": "collector.targets",
+    "TargetConfigError": "collector.target_config",
+    "TargetJob": "collector.scheduler",
+    "build_jobs": "collector.fleet",
+    "load_targets": "collector.target_config",
+    "run_collector": "collector.fleet",
+    "run_round": "collector.probe_round",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'collector' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
