@@ -61,21 +61,27 @@ def build_model(
 
 @app.command("run")
 def run(
-    rounds: int = typer.Option(None, help="Stop after N probe rounds (default: run until Ctrl-C)."),
-    interval: float = typer.Option(30.0, help="Seconds between rounds."),
-    db: str = typer.Option("sqlite:///prunewatch.db", help="SQLAlchemy URL of the result store."),
-    metrics_port: int = typer.Option(9464, help="Port of the /metrics endpoint (0 disables it)."),
-    metrics_host: str = typer.Option("127.0.0.1", help="Address of the /metrics endpoint."),
-    model: str = typer.Option(None, help=MODEL_HELP),
-    sensitivity: float = typer.Option(0.5, help="Pruning sensitivity in [0, 1]; 0 runs dense."),
+    rounds: int = typer.Option(None, help="Stop after N probe rounds (default: run until Ctrl-C). (env PRUNEWATCH_ROUNDS)"),
+    interval: float = typer.Option(None, help="Seconds between rounds (default 30). (env PRUNEWATCH_INTERVAL_S)"),
+    db: str = typer.Option(None, help="SQLAlchemy URL of the result store (default sqlite:///prunewatch.db). "
+                                      "(env PRUNEWATCH_DB_URL)"),
+    metrics_port: int = typer.Option(None, help="Port of the /metrics endpoint (default 9464; 0 disables it). "
+                                                "(env PRUNEWATCH_METRICS_PORT)"),
+    metrics_host: str = typer.Option(None, help="Address of the /metrics endpoint (default 127.0.0.1). "
+                                                "(env PRUNEWATCH_METRICS_HOST)"),
+    model: str = typer.Option(None, help=MODEL_HELP + " (env PRUNEWATCH_MODEL_DIR)"),
+    sensitivity: float = typer.Option(None, help="Pruning sensitivity in [0, 1] (default 0.5); 0 runs dense. "
+                                                 "(env PRUNEWATCH_SENSITIVITY)"),
     activation_sparsity: float = typer.Option(
         None, help="Activation-sparsity target at sensitivity 1, in [0, 1) (sparse kernel; default: the engine's, "
                    "chosen to keep quality on SmolLM2-135M-Instruct; 0 turns it off)."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes)."),
+    device: str = typer.Option(None, help="auto, cpu or cuda (default auto). (env PRUNEWATCH_DEVICE)"),
+    probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes). (env PRUNEWATCH_PROBES_PATH)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
 ) -> None:
-    """The main job: probe the embedded engine on a schedule, store results, serve /metrics."""
+    """The main job: probe the embedded engine on a schedule, store results, serve /metrics.
+
+    Each setting comes from its flag, else its PRUNEWATCH_* variable, else its default."""
     import logging
 
     from pydantic import ValidationError
@@ -85,17 +91,19 @@ def run(
     from collector.settings import CollectorSettings
     from collector.store import StoreUnavailableError
     from engine.errors import EngineError
-    from probes import DEFAULT_PROBES_PATH, ProbeFileError
+    from probes import ProbeFileError
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     if not verbose:  # a round longer than the interval is coalesced by design; say so only when asked
         logging.getLogger("apscheduler").setLevel(logging.ERROR)
+    flags = dict(db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
+                 sensitivity=sensitivity, device=device, probes_path=probes, activation_sparsity=activation_sparsity)
     try:
-        settings = CollectorSettings(
-            db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
-            model_dir=model_folder(model), sensitivity=sensitivity, device=device,
-            probes_path=probes or DEFAULT_PROBES_PATH, activation_sparsity=activation_sparsity,
-        )
+        settings = CollectorSettings(**{name: value for name, value in flags.items() if value is not None})
+        # The model: the flag, else PRUNEWATCH_MODEL_DIR, else the default real model (each may be a name).
+        spec = model if model is not None else (
+            str(settings.model_dir) if "model_dir" in settings.model_fields_set else None)
+        settings = settings.model_copy(update={"model_dir": model_folder(spec)})
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
     except EngineError as exc:

@@ -257,3 +257,36 @@ def test_run_killed_mid_round_is_closed_as_aborted_at_the_next_start(tmp_path, p
     assert finished_at == max(created for _, created in stored)  # ended at its last stored result
     assert rounds and all(row[0] == "complete" and row[1] + row[2] == 6 for row in rounds.values())
     assert devices == {("cpu", processor_name() is not None)}  # the CPU's name is stored with every result
+
+
+@pytest.mark.parametrize("source", ["default", "env", "flag", "flag-over-env"])
+def test_run_settings_come_from_flag_then_environment_then_default(tmp_path, probe_model_dir, monkeypatch, source):
+    """One precedence for the store URL, the interval and the model: flag > PRUNEWATCH_* > default."""
+    from typer.testing import CliRunner
+
+    import collector.embedded
+    from prunewatch.cli import app
+
+    seen = {}
+    monkeypatch.setattr(collector.embedded, "run_embedded", lambda settings: seen.setdefault("settings", settings)
+                        and collector.embedded.RunOutcome(0, 0, 0))
+    # model_folder resolves (and for the default, pulls) the model; here it only shows what it was asked for.
+    monkeypatch.setattr("prunewatch.cli.model_folder", lambda spec: Path(spec) if spec else Path("default-model"))
+    for name in ("PRUNEWATCH_DB_URL", "PRUNEWATCH_INTERVAL_S", "PRUNEWATCH_MODEL_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    env_values = {"PRUNEWATCH_DB_URL": "sqlite:///from-env.db", "PRUNEWATCH_INTERVAL_S": "7",
+                  "PRUNEWATCH_MODEL_DIR": str(tmp_path / "env-model")}
+    flags = ["--db", "sqlite:///from-flag.db", "--interval", "3", "--model", str(tmp_path / "flag-model")]
+    if source in ("env", "flag-over-env"):
+        for name, value in env_values.items():
+            monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["run", "--rounds", "1", *(flags if source.startswith("flag") else [])])
+    assert result.exit_code == 0, result.output
+    settings = seen["settings"]
+    expected = {
+        "default": ("sqlite:///prunewatch.db", 30.0, Path("default-model")),
+        "env": ("sqlite:///from-env.db", 7.0, tmp_path / "env-model"),
+        "flag": ("sqlite:///from-flag.db", 3.0, tmp_path / "flag-model"),
+        "flag-over-env": ("sqlite:///from-flag.db", 3.0, tmp_path / "flag-model"),
+    }[source]
+    assert (settings.db_url, settings.interval_s, settings.model_dir) == expected
