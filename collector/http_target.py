@@ -18,20 +18,21 @@ import httpx
 
 from collector.results import ProbeResult
 from collector.targets import ProbeCancelledError, ProbeTimeoutError, TargetError
+from engine import headers
 from probes import Probe
 
 TargetKind = Literal["prunewatch", "openai"]
 
-SENSITIVITY_HEADER = "X-Pruning-Sensitivity"
-BLACKLIST_HEADER = "X-Pruning-Blacklist"
-QUALITY_HEADER = "X-Pruning-Quality"
-RATIO_HEADER = "X-Pruning-Ratio"
-STATS_HEADER = "X-Pruning-Stats"
+SENSITIVITY_HEADER = headers.SENSITIVITY
+BLACKLIST_HEADER = headers.BLACKLIST
+QUALITY_HEADER = headers.QUALITY
+RATIO_HEADER = headers.RATIO
+STATS_HEADER = headers.STATS
 MS_HEADERS = {  # header -> ProbeResult field
-    "X-Prunewatch-Preprocessing-Ms": "preprocessing_ms",
-    "X-Prunewatch-Inference-Ms": "inference_ms",
-    "X-Prunewatch-Postprocessing-Ms": "postprocessing_ms",
-    "X-Prunewatch-Quality-Ms": "quality_ms",
+    headers.PREPROCESSING_MS: "preprocessing_ms",
+    headers.INFERENCE_MS: "inference_ms",
+    headers.POSTPROCESSING_MS: "postprocessing_ms",
+    headers.QUALITY_MS: "quality_ms",
 }
 STATS_HEADER_FIELDS = {  # X-Pruning-Stats key -> ProbeResult field, read when the body lacks the figure
     "prefill_ratio": "prefill_pruning_ratio",

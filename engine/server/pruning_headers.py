@@ -24,18 +24,20 @@ from engine.server.errors import APIError
 from engine.settings import LogLevel
 from engine.stats import RequestStats
 
-SENSITIVITY = "X-Pruning-Sensitivity"
-LOG_LEVEL = "X-Pruning-Log-Level"
-BLACKLIST = "X-Pruning-Blacklist"
-QUALITY = "X-Pruning-Quality"
-RATIO = "X-Pruning-Ratio"
-STATS = "X-Pruning-Stats"
-REQUEST_ID = "X-Prunewatch-Request-Id"
-PREPROCESSING_MS = "X-Prunewatch-Preprocessing-Ms"
-INFERENCE_MS = "X-Prunewatch-Inference-Ms"
-POSTPROCESSING_MS = "X-Prunewatch-Postprocessing-Ms"
-QUALITY_MS = "X-Prunewatch-Quality-Ms"
-QUEUE_MS = "X-Prunewatch-Queue-Ms"
+from engine.headers import (  # noqa: F401 - re-exported: the server's routes name them through this module
+    BLACKLIST,
+    INFERENCE_MS,
+    LOG_LEVEL,
+    POSTPROCESSING_MS,
+    PREPROCESSING_MS,
+    QUALITY,
+    QUALITY_MS,
+    QUEUE_MS,
+    RATIO,
+    REQUEST_ID,
+    SENSITIVITY,
+    STATS,
+)
 
 RESPONSE_HEADERS = (RATIO, STATS, REQUEST_ID, PREPROCESSING_MS, INFERENCE_MS, POSTPROCESSING_MS, QUALITY_MS, QUEUE_MS)
 REQUEST_HEADERS = (SENSITIVITY, LOG_LEVEL, BLACKLIST, QUALITY)
