@@ -7,9 +7,10 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.model_store import PROBE_MODEL_DIR
 from probes import DEFAULT_PROBES_PATH
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "models" / "probe-llama"
+DEFAULT_MODEL_DIR = PROBE_MODEL_DIR  # when no model is named (run names the real model itself)
 
 
 class CollectorSettings(BaseSettings):

@@ -37,7 +37,9 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1  # bump when the conversion changes, so folders made by an older one are redone
 LOCK_FILE = ".lock"
 PIP_TIMEOUT_S = 900  # pip has its own per-connection timeout; this only bounds a hung pip
-FALLBACK_MODEL = "engine/models/probe-llama"
+PROBE_MODEL_DIR = Path(__file__).resolve().parent / "models" / "probe-llama"
+"""The bundled probe model: small, offline, for plumbing tests and as the fallback without a registry."""
+FALLBACK_MODEL = "engine/models/probe-llama"  # PROBE_MODEL_DIR as a user types it from the repository root
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from engine.model_store import PROBE_MODEL_DIR
 from prunewatch.cli_errors import fail, first_validation_error
 from prunewatch.models_cli import MODEL_HELP, model_folder, models_app
 
@@ -19,7 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "models" / "probe-llama"
+DEFAULT_MODEL_DIR = PROBE_MODEL_DIR  # build-model writes it, profile-dram measures it unless told otherwise
 
 
 @app.callback()

@@ -8,12 +8,13 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.model_store import PROBE_MODEL_DIR
 from probes import DEFAULT_PROBES_PATH
 
 DEFAULT_STATE_DIR = Path(".prunewatch") / "stack"
 # The bundled probe model (the same folder collector.settings names; not imported from there,
 # so `stack down` does not pay for importing the collector and torch).
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "engine" / "models" / "probe-llama"
+DEFAULT_MODEL_DIR = PROBE_MODEL_DIR  # the stack's engines serve the bundled probe model unless told otherwise
 
 
 class StackSettings(BaseSettings):
