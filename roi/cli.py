@@ -58,7 +58,8 @@ def report_command(
     from roi.costs import Basis
     from roi.errors import RoiError
     from roi.formatting import payback_text, usd
-    from roi.report import REPORT_DAYS, generate_report
+    from roi.report import REPORT_DAYS
+    from roi.report_files import generate_report
 
     if days not in REPORT_DAYS:
         raise fail(f"--days must be one of {', '.join(map(str, REPORT_DAYS))}, got {days}")

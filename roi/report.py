@@ -10,7 +10,6 @@ import html
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Sequence, Union
 
 from collector.results import ProbeResult
@@ -311,18 +310,3 @@ def build_report(results: Sequence[ProbeResult], window: Window, assumptions: As
     blocks += _trend_blocks(summary, charts, bucket_label, sensitivity_pct)
     blocks += _method_blocks(summary, result)
     return ReportData(days=days, generated_at=generated, summary=summary, result=result, blocks=blocks)
-
-
-def generate_report(db_url: str, days: int, pdf_path: Path, html_path: Path | None, assumptions: Assumptions,
-                    target: str | None = None, model: str | None = None, now: datetime | None = None) -> ReportData:
-    """Read the store, build the report and write the PDF (and the HTML variant when a path is given)."""
-    from roi.report_html import write_html
-    from roi.report_pdf import write_pdf
-    from roi.store import load_results
-
-    window = Window.last_days(days, now)
-    data = build_report(load_results(db_url, window, target), window, assumptions, days, target, model, now=now)
-    write_pdf(data, pdf_path)
-    if html_path is not None:
-        write_html(data, html_path)
-    return data

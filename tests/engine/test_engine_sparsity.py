@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineSettings, PruningEngine
-from engine.execution import ExecutionLedger, ExecutionPlan
+from engine.execution import ExecutionLedger
 from engine.sparse import SparseLinear
 from engine.sparse.targets import projection_family
 from probes import load_probes
