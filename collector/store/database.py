@@ -89,13 +89,3 @@ def connect_without_writing(url: str) -> Engine:
         raise StoreUnavailableError(f"cannot create database {safe_url(url)}: {problem}")
     return engine
 
-
-def create_schema(engine: Engine) -> None:
-    """Bring the store to the newest schema through the migrations (creating it when empty).
-
-    Why migrations even for a fresh SQLite file: a store made today must be upgradable by the
-    same history tomorrow, which a bare create_all would not record.
-    """
-    from collector.store.migrate import upgrade
-
-    upgrade(engine)

@@ -77,3 +77,12 @@ def downgrade(engine: Engine, revision: str) -> tuple[str | None, str]:
     except SQLAlchemyError as exc:
         raise StoreUnavailableError(f"cannot migrate the schema: {reason(exc)}") from exc
     return before, after or "base"
+
+
+def create_schema(engine: Engine) -> None:
+    """Bring the store to the newest schema through the migrations (creating it when empty).
+
+    Why migrations even for a fresh SQLite file: a store made today must be upgradable by the
+    same history tomorrow, which a bare create_all would not record.
+    """
+    upgrade(engine)
