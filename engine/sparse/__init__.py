@@ -6,7 +6,6 @@ from engine.sparse.calibration import (
     SparsityCalibration,
     calibrate_sparsity,
     calibrate_sparsity_on_texts,
-    layer_key,
 )
 from engine.sparse.install import SparsityInstallation, install_sparsity
 from engine.sparse.kernel import (
@@ -15,7 +14,7 @@ from engine.sparse.kernel import (
     sparse_linear,
 )
 from engine.sparse.module import SparseLinear, SparsityOptions
-from engine.sparse.targets import DEFAULT_PROJECTIONS, find_sparse_targets
+from engine.sparse.targets import DEFAULT_PROJECTIONS, find_sparse_targets, layer_key
 
 __all__ = [
     "DEFAULT_PROJECTIONS",

@@ -37,11 +37,6 @@ LEVELS: tuple[float, ...] = tuple(round(i / 100, 2) for i in range(100))  # 0.00
 Score = Literal["magnitude", "wina"]
 
 
-def layer_key(layer: int, name: str) -> str:
-    """How a (decoder block, projection path) pair is named in the artifact, e.g. '3:mlp.down_proj'."""
-    return f"{layer}:{name}"
-
-
 @dataclass(frozen=True)
 class LayerThresholds:
     """One wrapped layer's calibrated score thresholds: the grid, and the threshold at each level."""

@@ -24,7 +24,7 @@ from engine.execution import (
 )
 from engine.sparse.calibration import LayerThresholds
 from engine.sparse.kernel import device_kernel
-from engine.sparse.targets import DEFAULT_PROJECTIONS, in_out, is_conv1d, projection_family
+from engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
 
 
 class SparsityOptions(BaseModel):
@@ -52,7 +52,7 @@ class SparsityOptions(BaseModel):
             "through a view. False keeps the original layout for the dense path too (2x memory)."))
 
 
-class SparseLinear(nn.Module):
+class SparseLinear(LinearWrapper):
     """An nn.Linear (or Conv1D) whose inputs are thresholded per request and computed sparsely."""
 
     def __init__(

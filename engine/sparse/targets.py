@@ -97,23 +97,35 @@ def _is_target(name: str, module: nn.Module, projections: Sequence[str]) -> bool
     return any(part not in _AMBIGUOUS for part in matched) or projection_family(name) is not None
 
 
+def layer_key(layer: int, name: str) -> str:
+    """How a (decoder block, projection path) pair is named in calibrations, e.g. '3:mlp.down_proj'."""
+    return f"{layer}:{name}"
+
+
+class LinearWrapper(nn.Module):
+    """A module that computes a wrapped linear layer itself (engine.sparse.module.SparseLinear).
+
+    Declared here, where targets are found, so that finding them needs no import of the wrapper's
+    module (which imports this one): a wrapper is reported under the key of the layer it wraps.
+    """
+
+    linear: nn.Module
+
+
 def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[str] = DEFAULT_PROJECTIONS,
                         ) -> dict[str, tuple[int, nn.Module]]:
     """layer_key -> (block index, linear module) for every target linear of every decoder block.
 
-    When a block already holds a SparseLinear, its inner linear is returned under the same key, so
+    When a block already holds a SparseLinear (a LinearWrapper), its inner linear is returned under the same key, so
     calibration and installation see the same names whether sparsity is installed or not. Keys
     leave out the `.inner` of a head-gating wrapper (engine.heads) for the same reason.
     """
-    from engine.sparse.calibration import layer_key
-    from engine.sparse.module import SparseLinear
-
     targets: dict[str, tuple[int, nn.Module]] = {}
     for block in instrumented.blocks:
-        wrapped = {id(m.linear) for m in block.block.modules() if isinstance(m, SparseLinear)}
+        wrapped = {id(m.linear) for m in block.block.modules() if isinstance(m, LinearWrapper)}
         for name, module in block.block.named_modules():
             key = layer_key(block.index, name.replace(".inner", ""))
-            if isinstance(module, SparseLinear):
+            if isinstance(module, LinearWrapper):
                 targets[key] = (block.index, module.linear)
             elif id(module) not in wrapped and _is_target(name, module, projections):
                 targets[key] = (block.index, module)
