@@ -23,7 +23,8 @@ DB_ENV = "PRUNEWATCH_COLLECTOR_DB_URL"
 DEFAULT_DB = "sqlite:///prunewatch.db"
 
 
-def _logging(verbose: bool) -> None:
+def configure_logging(verbose: bool) -> None:
+    """One log format for the scheduling commands (run, collect); APScheduler's coalescing notes only when verbose."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     if not verbose:  # a round longer than its interval is coalesced by design; say so only when asked
         logging.getLogger("apscheduler").setLevel(logging.ERROR)
@@ -51,7 +52,7 @@ def collect_command(
     from engine.errors import EngineError
     from probes import ProbeFileError, load_probes
 
-    _logging(verbose)
+    configure_logging(verbose)
     try:
         parsed = load_targets(config)
         settings = FleetSettings().with_file(parsed, db_url=db, buffer_path=buffer, rounds=rounds,
@@ -158,7 +159,7 @@ def tune_command(
     from engine.errors import EngineError
     from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
 
-    _logging(False)
+    configure_logging(False)
     try:
         settings = TuneSettings(sensitivities=_grid(points), margin=margin, repeats=repeats, blacklist=blacklist)
         parsed = load_targets(config)
@@ -196,7 +197,7 @@ def doctor_command(
     from collector.target_config import TargetConfigError, load_targets
     from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
 
-    _logging(False)
+    configure_logging(False)
     try:
         parsed = load_targets(config)
         spec = parsed.target(target)

@@ -85,48 +85,16 @@ class ProbeResult:
     def from_stats(cls, *, target: str, probe: Probe, round_id: str, stats: RequestStats, text: str,
                    duration_ms: float, device_name: str | None = None) -> "ProbeResult":
         quality = stats.quality
+        copied = {name: getattr(stats, name) for name in _STATS_FIELDS}  # same name, same meaning
+        copied["layers_bypassed"] = list(stats.layers_bypassed)
         return cls(
-            target=target,
-            model=stats.model,
-            probe_id=probe.id,
-            probe_version=probe.version,
-            probe_hash=probe.content_hash,
-            domain=probe.domain,
-            status="ok",
-            round_id=round_id,
-            sensitivity=stats.sensitivity,
-            pruning_ratio=stats.pruning_ratio,
-            prefill_pruning_ratio=stats.prefill_pruning_ratio,
-            decode_pruning_ratio=stats.decode_pruning_ratio,
-            ratio_unit=stats.ratio_unit,
-            ratio_source=stats.ratio_source,
-            executed_flops=stats.executed_flops,
-            dense_flops=stats.dense_flops,
-            layers_bypassed=list(stats.layers_bypassed),
-            layers_total=stats.layers_total,
-            heads_gated=stats.heads_gated,
-            activation_sparsity=stats.activation_sparsity,
-            prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.completion_tokens,
-            preprocessing_ms=stats.preprocessing_ms,
-            inference_ms=stats.inference_ms,
-            postprocessing_ms=stats.postprocessing_ms,
-            quality_ms=stats.quality_ms if quality else None,
-            ttft_ms=stats.ttft_ms,
-            tokens_per_s=stats.tokens_per_s,
-            decode_tokens_per_s=stats.decode_tokens_per_s,
+            target=target, probe_id=probe.id, probe_version=probe.version, probe_hash=probe.content_hash,
+            domain=probe.domain, status="ok", round_id=round_id, **copied,
+            quality_ms=stats.quality_ms if quality else None,  # absent when no check ran, not 0
             token_agreement=quality.token_agreement if quality else None,
             perplexity_delta_pct=quality.perplexity_delta_pct if quality else None,
-            matched_domain=stats.domain,
-            domain_confidence=stats.domain_confidence,
-            fallback_reason=stats.fallback_reason,
-            peak_memory_bytes=stats.peak_memory_bytes,
-            dram_bytes_per_instruction=stats.dram_bytes_per_instruction,
-            dram_source=stats.dram_source,
-            duration_ms=duration_ms,
-            output_text=text,
-            device=stats.device or None,
-            device_name=device_name,
+            matched_domain=stats.domain,  # the calibrated domain the prompt matched; `domain` is the probe's
+            duration_ms=duration_ms, output_text=text, device=stats.device or None, device_name=device_name,
         )
 
     @classmethod
@@ -140,3 +108,6 @@ class ProbeResult:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(ProbeResult))
+_STATS_FIELDS = tuple(sorted(
+    (set(_FIELD_NAMES) & {f.name for f in fields(RequestStats)}) - {"domain", "quality_ms", "device"}))
+"""RequestStats fields a ProbeResult keeps under the same name (domain, quality_ms and device differ)."""

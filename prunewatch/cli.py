@@ -83,10 +83,9 @@ def run(
     """The main job: probe the embedded engine on a schedule, store results, serve /metrics.
 
     Each setting comes from its flag, else its PRUNEWATCH_* variable, else its default."""
-    import logging
-
     from pydantic import ValidationError
 
+    from collector.cli import configure_logging
     from collector.embedded import run_embedded
     from collector.exposition import MetricsPortError
     from collector.settings import CollectorSettings
@@ -94,9 +93,7 @@ def run(
     from engine.errors import EngineError
     from probes import ProbeFileError
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    if not verbose:  # a round longer than the interval is coalesced by design; say so only when asked
-        logging.getLogger("apscheduler").setLevel(logging.ERROR)
+    configure_logging(verbose)
     flags = dict(db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
                  sensitivity=sensitivity, device=device, probes_path=probes, activation_sparsity=activation_sparsity)
     try:

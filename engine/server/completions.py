@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from jinja2 import TemplateError
@@ -60,44 +60,16 @@ class GenerationSpec:
 
 
 def prunewatch_block(stats: RequestStats, queue_ms: float) -> dict[str, Any]:
-    """The `prunewatch` body field: the X-Pruning-* header numbers plus how each was obtained."""
-    return PrunewatchStats(
-        request_id=stats.request_id,
-        pruning_ratio=stats.pruning_ratio,
-        prefill_pruning_ratio=stats.prefill_pruning_ratio,
-        decode_pruning_ratio=stats.decode_pruning_ratio,
-        ratio_unit=stats.ratio_unit,
-        ratio_source=stats.ratio_source,
-        executed_flops=stats.executed_flops,
-        dense_flops=stats.dense_flops,
-        sensitivity=stats.sensitivity,
-        layers_bypassed=list(stats.layers_bypassed),
-        layers_total=stats.layers_total,
-        heads_gated=stats.heads_gated,
-        sparsity=stats.activation_sparsity,
-        total_tokens=stats.prompt_tokens + stats.completion_tokens,
-        domain=stats.domain,
-        domain_confidence=stats.domain_confidence,
-        fallback_reason=stats.fallback_reason,
-        effective_sensitivity=stats.effective_sensitivity,
-        signals=stats.signals,
-        quality_flags=list(stats.quality_flags),
-        quality=asdict(stats.quality) if stats.quality is not None else None,
-        preprocessing_ms=stats.preprocessing_ms,
-        inference_ms=stats.inference_ms,
-        postprocessing_ms=stats.postprocessing_ms,
-        quality_ms=stats.quality_ms,
-        queue_ms=queue_ms,
-        ttft_ms=stats.ttft_ms,
-        tokens_per_s=stats.tokens_per_s,
-        decode_tokens_per_s=stats.decode_tokens_per_s,
-        device=stats.device,
-        dtype=stats.dtype,
-        peak_memory_bytes=stats.peak_memory_bytes,
-        peak_memory_source=stats.peak_memory_source,
-        dram_bytes_per_instruction=stats.dram_bytes_per_instruction,
-        dram_source=stats.dram_source,
-    ).model_dump()
+    """The `prunewatch` body field: the X-Pruning-* header numbers plus how each was obtained.
+
+    Every field of PrunewatchStats that RequestStats has is taken by name; only the header's own
+    names (sparsity, total_tokens) and the server's queue time are added here."""
+    return PrunewatchStats.model_validate({
+        **stats.to_dict(),  # quality becomes a plain dict; fields the API does not publish are ignored
+        "sparsity": stats.activation_sparsity,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "queue_ms": queue_ms,
+    }).model_dump()
 
 
 def usage(stats: RequestStats) -> dict[str, int]:
