@@ -46,7 +46,8 @@ class EngineSettings(BaseSettings):
             "Layer bypass: at sensitivity 1, the share of the calibrated influence of the blocks that "
             "may be bypassed (protected, blacklisted and transition blocks excluded) that is bypassed; "
             "sensitivity scales it linearly. 0 (the default) bypasses nothing: on SmolLM2-135M-Instruct "
-            "0.15 already drops token agreement with the dense model to 0.77 (bench/results/mechanisms-smollm2-cpu.json)."
+            "0.15 already drops token agreement with the dense model to 0.77 "
+            "(bench/results/mechanisms-smollm2-cpu.json)."
         ),
     )
     protect_edge_layers: bool = Field(
