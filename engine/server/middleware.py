@@ -81,7 +81,13 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in self.public or not self.auth.enabled:
             await self.app(scope, receive, send)
             return
-        authorization = Headers(scope=scope).get("authorization")
+        sent = Headers(scope=scope).getlist("authorization")
+        if len(sent) > 1:  # proxies and servers disagree on which copy counts: accept none of them
+            await APIError(401, f"Authorization: sent {len(sent)} times; send it once.", type_=AUTHENTICATION,
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()(
+                scope, receive, send)
+            return
+        authorization = sent[0] if sent else None
         if self.auth.is_authorized(authorization):
             await self.app(scope, receive, send)
             return

@@ -226,6 +226,15 @@ def test_401_without_or_with_a_wrong_key_and_health_is_exempt(http: httpx.Client
         wrong = http.post("/v1/chat/completions", json=chat_body(engine), headers={"Authorization": header})
         assert wrong.status_code == 401
         assert wrong.json() == error("Incorrect API key provided.", "authentication_error", code="invalid_api_key")
+    # Two Authorization headers, even with the right key among them: which one counts depends on who reads
+    # the request (a proxy may check the first, the server the last), so none does.
+    for pair in ([AUTH["Authorization"], "Bearer sk-wrong"], ["Bearer sk-wrong", AUTH["Authorization"]],
+                 [AUTH["Authorization"]] * 2):
+        twice = http.post("/v1/chat/completions", json=chat_body(engine),
+                          headers=httpx.Headers([("Authorization", value) for value in pair]))
+        assert twice.status_code == 401 and twice.headers["WWW-Authenticate"] == "Bearer"
+        assert twice.json() == error("Authorization: sent 2 times; send it once.", "authentication_error",
+                                     code="invalid_api_key")
     # auth runs before the body is parsed: garbage from a stranger is a 401, not a 422
     assert http.post("/v1/completions", content=b"{not json").status_code == 401
     assert http.get("/metrics").status_code == 401
