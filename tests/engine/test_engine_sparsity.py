@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from engine import EngineSettings, PruningEngine
 from engine.execution import ExecutionLedger
 from engine.sparse import SparseLinear
+from tests.engine.sparse_oracle import count_kernel_call
 from engine.sparse.targets import projection_family
 from probes import load_probes
 
@@ -52,13 +52,7 @@ def test_sparse_requests_skip_exactly_the_work_of_inactive_input_channels(sparse
         target = plan.sparsity_for(module.layer, projection_family(module.name))
         if target <= 0.0:
             return
-        x = args[0].reshape(-1, module.in_features)  # (rows, in)
-        keep = x.abs().float() * module.scale > torch.tensor(module.thresholds.at(target), dtype=torch.float32)
-        oracle["kept"] += int(keep.sum())
-        oracle["entries"] += keep.numel()
-        if x.shape[0] <= module.max_kernel_rows:  # longer calls run masked-then-dense, counted dense
-            active = int(keep.any(dim=0).sum())
-            oracle["skipped"] += 2 * module.out_features * (module.in_features - active) * x.shape[0]
+        count_kernel_call(module, args[0], target, oracle)
 
     wrapped = [m for m in sparse_engine.loaded.model.modules() if isinstance(m, SparseLinear)]
     handles = [m.register_forward_pre_hook(count) for m in wrapped]

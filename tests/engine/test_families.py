@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from engine import EngineSettings, ModelLoadError, PruningEngine, UnsupportedArchitectureError
 from engine.execution import ExecutionLedger, ExecutionPlan, executing
 from engine.sparse import SparseLinear
+from tests.engine.sparse_oracle import count_kernel_call
 from engine.sparse.targets import is_conv1d, projection_family
 
 GOLDEN = Path(__file__).parent / "golden" / "families.json"
@@ -246,16 +247,7 @@ def test_family_sparsity_skips_exactly_the_inactive_input_channels(family, famil
     mismatches = []
 
     def before(module, args):  # an independent count of the channels each call had to read
-        x = args[0].reshape(-1, module.in_features)  # (rows, in)
-        rows = x.shape[0]
-        threshold = torch.tensor(module.thresholds.at(target), dtype=torch.float32)
-        keep = x.abs().float() * module.scale > threshold  # (rows, in)
-        oracle["kept"] += int(keep.sum())
-        oracle["entries"] += keep.numel()
-        if rows <= module.max_kernel_rows:  # decode-shaped: the kernel reads only active weight rows
-            active = int(keep.any(dim=0).sum())
-            oracle["skipped"] += 2 * module.out_features * (module.in_features - active) * rows
-            oracle["kernel_calls"] += 1
+        keep = count_kernel_call(module, args[0], target, oracle)
         module._oracle_mask = keep.reshape(args[0].shape).to(args[0].dtype)
 
     def after(module, args, output):  # the kernel computed the masked product, nothing else
