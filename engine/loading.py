@@ -128,8 +128,9 @@ def _held_library_log() -> Iterator[_HeldBack]:
 
     library_logger = hf_logging.get_logger("transformers")  # configured now: its handler is added on first use
     held = _HeldBack()
-    saved = library_logger.handlers[:]
+    saved, saved_propagate = library_logger.handlers[:], library_logger.propagate
     library_logger.handlers = [held]
+    library_logger.propagate = False  # transformers propagates to the root logger when CI=true is set
     failed = False
     try:
         yield held
@@ -137,7 +138,7 @@ def _held_library_log() -> Iterator[_HeldBack]:
         failed = True
         raise
     finally:
-        library_logger.handlers = saved
+        library_logger.handlers, library_logger.propagate = saved, saved_propagate
         if not failed:
             for record in held.records:
                 library_logger.handle(record)
