@@ -2,7 +2,7 @@
 
 Each stored result is what `CollectorMetrics.record` saw, at its `created_at`: gauges become one
 sample per result, counters and histograms become events (an increment at that instant). This
-mirrors collector/metrics.py family by family; a test replays real results through both and
+mirrors records/metrics.py family by family; a test replays real results through both and
 compares, so the two cannot drift apart.
 
 What Prometheus would add on top (scrape timestamps, job/instance labels, counter resets) does
@@ -18,8 +18,8 @@ from typing import Callable, Iterable
 
 from prometheus_client.utils import floatToGoString
 
-from collector.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, PROBE_DURATION_BUCKETS
-from collector.results import ProbeResult
+from records.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, PROBE_DURATION_BUCKETS
+from records.results import ProbeResult
 
 Labels = tuple[tuple[str, str], ...]
 """Sorted (name, value) pairs, `__name__` included."""

@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from collector.results import ProbeResult
-from collector.store import ResultRepository
+from records.results import ProbeResult
+from records.store import ResultRepository
 
 _INCLUSIVE = timedelta(microseconds=1)  # the repository's `until` is exclusive; evaluation instants are not
 

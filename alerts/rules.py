@@ -14,16 +14,19 @@ import yaml
 
 from alerts._parser import top_level_binary
 from alerts.durations import format_duration
-from alerts.promql import (
+from alerts.settings import RuleSettings
+from records.promql import (
     PROMQL_AGREEMENT_AVG_1H,
     PROMQL_AGREEMENT_BY_DOMAIN,
     PROMQL_BUFFER_DEPTH,
+    PROMQL_FAILURE_RATE,
+    PROMQL_LATENCY_P99,
+    PROMQL_RATIO_AVG_24H,
+    PROMQL_RATIO_BY_DOMAIN,
     promql_ratio_bucket_probes,
     promql_ratio_over_probes,
     promql_results_absent,
 )
-from alerts.settings import RuleSettings
-from collector.metrics import PROMQL_FAILURE_RATE, PROMQL_LATENCY_P99, PROMQL_RATIO_AVG_24H, PROMQL_RATIO_BY_DOMAIN
 
 RECORDING_GROUP = "prunewatch-recording"
 ALERTING_GROUP = "prunewatch-alerts"

@@ -199,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         url, api_key = args.url, args.api_key
         if url is None:
-            from engine.server import ServerSettings, build_engine, create_app, serve_in_background
+            from server import (
+                ServerSettings,
+                build_engine,
+                create_app,
+                serve_in_background,
+            )
 
             engine = build_engine(args.model_dir, device=args.device)
             api_key = secrets.token_urlsafe(16)

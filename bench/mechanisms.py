@@ -103,13 +103,16 @@ class MechanismRow:
     requests: int
 
 
-def _engine(model_dir: Path, calibration_dir: Path, sensitivity: float):
+def _engine(model_dir: Path, calibration_dir: Path, sensitivity: float, **settings):
+    """A calibrated CPU engine with head gating and the sparse kernel installed; `settings` are further
+    EngineSettings fields (e.g. sparsity_allocation, sparsity_score)."""
     from engine import EngineSettings, PruningEngine
     from probes import load_probes
 
     probe_set = load_probes()
     engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device="cpu", calibration_dir=calibration_dir,
-                                               sensitivity=sensitivity, log_level="NONE", head_gating=True))
+                                               sensitivity=sensitivity, log_level="NONE", head_gating=True,
+                                               **settings))
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     engine.enable_activation_sparsity(probe_set.calibration_texts(), probe_set.digest)
     return engine, probe_set

@@ -10,12 +10,10 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "CollectorMetrics": "collector.metrics",
     "CollectorSettings": "collector.settings",
     "FleetSettings": "collector.fleet",
     "HttpTarget": "collector.http_target",
     "InProcessTarget": "collector.targets",
-    "ProbeResult": "collector.results",
     "ProbeScheduler": "collector.scheduler",
     "RoundSummary": "collector.probe_round",
     "Target": "collector.targets",

@@ -29,12 +29,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from collector.metrics import CollectorMetrics
-from collector.results import ProbeResult
 from collector.spool import DiskSpool, SpoolEntry, result_from_payload, result_payload
-from collector.store.database import StoreUnavailableError, reason
-from collector.store.migrate import upgrade
-from collector.store.repository import ResultRepository
+from records.metrics import CollectorMetrics
+from records.results import ProbeResult
+from records.store.database import StoreUnavailableError, reason
+from records.store.migrate import upgrade
+from records.store.repository import ResultRepository
 
 logger = logging.getLogger("prunewatch.collector")
 

@@ -97,8 +97,8 @@ def store_checks(db_url: str) -> list[Check]:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
-    from collector.store import StoreUnavailableError, connect
-    from collector.store.migrate import current_revision, head_revision
+    from records.store import StoreUnavailableError, connect
+    from records.store.migrate import current_revision, head_revision
 
     try:
         url = make_url(db_url)

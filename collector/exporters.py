@@ -13,8 +13,8 @@ from typing import Protocol
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from collector.results import ProbeResult
-from collector.store.repository import ResultRepository
+from records.results import ProbeResult
+from records.store.repository import ResultRepository
 
 logger = logging.getLogger("prunewatch.collector")
 

@@ -18,7 +18,7 @@ from typing import Hashable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from collector.metrics import CollectorMetrics
+from records.metrics import CollectorMetrics
 
 
 class CachedExposition:

@@ -25,16 +25,16 @@ from collector.buffered import Backoff, BufferedStore
 from collector.exporters import LogExporter
 from collector.exposition import start_metrics_server
 from collector.http_target import HttpTarget
-from collector.metrics import CollectorMetrics
 from collector.probe_round import RoundSummary
 from collector.pushgateway import Pushgateway
 from collector.scheduler import ProbeScheduler, TargetJob
 from collector.spool import DiskSpool
-from collector.store import StoreUnavailableError, connect
-from collector.store.migrate import upgrade
 from collector.target_config import CollectorConfig, ResolvedTarget, TargetConfigError
 from collector.targets import InProcessTarget, Target
 from probes import DEFAULT_PROBES_PATH, ProbeFileError, ProbeSet
+from records.metrics import CollectorMetrics
+from records.store import StoreUnavailableError, connect
+from records.store.migrate import upgrade
 
 logger = logging.getLogger("prunewatch.collector")
 

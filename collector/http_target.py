@@ -16,10 +16,10 @@ from typing import Any, Literal, Mapping, Sequence
 
 import httpx
 
-from collector.results import ProbeResult
 from collector.targets import ProbeCancelledError, ProbeTimeoutError, TargetError
 from engine import headers
 from probes import Probe
+from records.results import ProbeResult
 
 TargetKind = Literal["prunewatch", "openai"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from collector.probe_round import RoundSummary
-from collector.results import ProbeResult
+from records.results import ProbeResult
 
 ANSWER_CHARS = 60  # enough to recognise an answer (or a broken one) at a glance
 

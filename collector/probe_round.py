@@ -12,11 +12,12 @@ from typing import Sequence
 
 from collector.deadline import DeadlineExceeded, call_with_deadline
 from collector.exporters import Exporter
-from collector.results import ProbeResult, utcnow
 from collector.targets import Target, TargetError
 from engine import GenerationResult
 from engine.errors import EngineError, InvalidRequestError
 from probes import ProbeSet
+from records.engine_stats import probe_result_from_stats
+from records.results import ProbeResult, utcnow
 
 logger = logging.getLogger("prunewatch.collector")
 
@@ -109,9 +110,9 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
             generated = _probe_once(target, probe, timeout_s)
             duration_ms = round((time.perf_counter() - began) * 1000, 3)
             if isinstance(generated, GenerationResult):
-                result = ProbeResult.from_stats(target=target.name, probe=probe, round_id=summary.round_id,
-                                                stats=generated.stats, text=generated.text, duration_ms=duration_ms,
-                                                device_name=getattr(target, "device_name", None))
+                result = probe_result_from_stats(target=target.name, probe=probe, round_id=summary.round_id,
+                                                 stats=generated.stats, text=generated.text, duration_ms=duration_ms,
+                                                 device_name=getattr(target, "device_name", None))
             else:
                 result = generated.to_result(target=target.name, probe=probe, round_id=summary.round_id,
                                              duration_ms=duration_ms)

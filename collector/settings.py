@@ -10,8 +10,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from engine.model_store import PROBE_MODEL_DIR
 from probes import DEFAULT_PROBES_PATH
 
-DEFAULT_MODEL_DIR = PROBE_MODEL_DIR  # when no model is named (run names the real model itself)
-
 
 class CollectorSettings(BaseSettings):
     """How the embedded collector runs: what it probes, how often, where results go."""
@@ -23,7 +21,7 @@ class CollectorSettings(BaseSettings):
     rounds: int | None = Field(None, ge=1, description="Stop after this many rounds; None runs until stopped.")
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds to.")
     metrics_port: int = Field(9464, ge=0, le=65535, description="/metrics port; 0 disables the endpoint.")
-    model_dir: Path = Field(DEFAULT_MODEL_DIR, description="Model folder of the embedded engine.")
+    model_dir: Path = Field(PROBE_MODEL_DIR, description="Model folder of the embedded engine.")
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="Embedded engine device.")
     sensitivity: float = Field(0.5, ge=0.0, le=1.0, description="Pruning sensitivity of the probes.")
     activation_sparsity: float | None = Field(

@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from collector.results import ProbeResult
+from records.results import ProbeResult
 
 logger = logging.getLogger("prunewatch.collector")
 

@@ -33,9 +33,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from collector.settings import DEFAULT_MODEL_DIR
+from engine.model_store import PROBE_MODEL_DIR
 
 TargetKindName = Literal["in_process", "prunewatch", "openai"]
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -213,7 +220,7 @@ def load_targets(path: Path | str) -> CollectorConfig:
                                     f"(api_key_env) is not set or empty")
         resolved.append(ResolvedTarget(
             name=spec.name, kind=spec.kind, base_url=spec.base_url, api_key_env=spec.api_key_env, model=spec.model,
-            model_dir=spec.model_dir or DEFAULT_MODEL_DIR, device=spec.device, domains=spec.domains,
+            model_dir=spec.model_dir or PROBE_MODEL_DIR, device=spec.device, domains=spec.domains,
             interval_s=spec.interval_s if spec.interval_s is not None else defaults.interval_s,
             timeout_s=spec.timeout_s if spec.timeout_s is not None else defaults.timeout_s,
             sensitivity=None if spec.kind == "openai" else (

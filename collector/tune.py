@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from collector.probe_round import run_round
-from collector.results import ProbeResult
 from probes import ProbeSet
+from records.results import ProbeResult
 
 DEFAULT_GRID = tuple(round(i / 10, 1) for i in range(11))
 

@@ -4,15 +4,16 @@ Derived figures that alerts also evaluate (ratio by domain, 24h ratio, p99 laten
 token agreement, ratio buckets) are read from the recording rules that record the PROMQL_*
 constants verbatim (alerts/rules.yml), narrowed to the dashboard's template variables by
 `scoped`: a dashboard and an alert can never disagree about what a figure means. Everything
-else is written here against metric names of `collector.metrics`.
+else is written here against metric names of `records.metrics`.
 """
 
 from __future__ import annotations
 
 import re
 
-from alerts.promql import PROMQL_AGREEMENT_BY_DOMAIN
-from collector.metrics import (
+from dashboards.rules import RatioBucket, load_rule_file, recorded
+from records.promql import (
+    PROMQL_AGREEMENT_BY_DOMAIN,
     PROMQL_DECODE_RATIO_BY_DOMAIN,
     PROMQL_FAILURE_RATE,
     PROMQL_LATENCY_P99,
@@ -20,7 +21,6 @@ from collector.metrics import (
     PROMQL_RATIO_AVG_24H,
     PROMQL_RATIO_BY_DOMAIN,
 )
-from dashboards.rules import RatioBucket, load_rule_file, recorded
 
 MODEL_DOMAIN = 'model=~"$model", domain=~"$domain"'
 """Label matchers of the per-probe metrics: they carry model and domain (not target)."""

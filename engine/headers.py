@@ -1,6 +1,6 @@
 """The X-Pruning-* / X-Prunewatch-* header names: the HTTP contract between an engine and its clients.
 
-Written once here, read by the server (engine/server/pruning_headers.py) and by the collector's
+Written once here, read by the server (server/pruning_headers.py) and by the collector's
 HTTP target (collector/http_target.py). No imports: a client needs the names, not the server.
 """
 

@@ -20,7 +20,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-DEFAULT_MODEL_DIR = PROBE_MODEL_DIR  # build-model writes it, profile-dram measures it unless told otherwise
 
 
 @app.callback()
@@ -30,7 +29,7 @@ def _root() -> None:
 
 @app.command("build-model")
 def build_model(
-    out: Path = typer.Option(DEFAULT_MODEL_DIR, help="Folder to write the Hugging Face model into."),
+    out: Path = typer.Option(PROBE_MODEL_DIR, help="Folder to write the Hugging Face model into."),
     steps: int = typer.Option(None, min=1, help="Training steps (default: the committed model's schedule)."),
     seed: int = typer.Option(None, help="Random seed of tokenizer sampling, init and batches (default: the committed model's)."),
 ) -> None:
@@ -85,13 +84,13 @@ def run(
     Each setting comes from its flag, else its PRUNEWATCH_* variable, else its default."""
     from pydantic import ValidationError
 
-    from collector.cli import configure_logging
-    from collector.embedded import run_embedded
     from collector.exposition import MetricsPortError
     from collector.settings import CollectorSettings
-    from collector.store import StoreUnavailableError
     from engine.errors import EngineError
     from probes import ProbeFileError
+    from prunewatch.commands.collect import configure_logging
+    from prunewatch.embedded import run_embedded
+    from records.store import StoreUnavailableError
 
     configure_logging(verbose)
     flags = dict(db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
@@ -146,7 +145,7 @@ def calibrate_command(
 
 @app.command("profile-dram")
 def profile_dram_command(
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, help="Local Hugging Face model folder."),
+    model: Path = typer.Option(PROBE_MODEL_DIR, help="Local Hugging Face model folder."),
     sparsity: list[float] = typer.Option([0.0, 0.5], help="Activation-sparsity levels to profile (0 is dense)."),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32 (what the engine runs on CUDA)."),
     out: Path = typer.Option(None, help="Profile JSON (default: <model name>.dram-profile.json here)."),
@@ -197,8 +196,8 @@ def serve_command(
     from pydantic import ValidationError
 
     from engine.errors import EngineError
-    from engine.server import serve
     from probes import ProbeFileError
+    from server import serve
 
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
@@ -236,11 +235,10 @@ def bench_mechanisms_command(ctx: typer.Context) -> None:
 
 def _mount_groups() -> None:
     """Command groups whose parts own their command functions."""
-    from alerts import cli as alerts_cli
-    from dashboards import cli as dashboards_cli
-    from roi import cli as roi_cli
-
-    from collector import cli as collector_cli
+    from prunewatch.commands import alerts as alerts_cli
+    from prunewatch.commands import collect as collector_cli
+    from prunewatch.commands import dashboards as dashboards_cli
+    from prunewatch.commands import roi as roi_cli
     from prunewatch.stack import cli as stack_cli
 
     app.command("collect")(collector_cli.collect_command)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-# The public surface, resolved on first use so `prunewatch --help` (which imports roi.cli) stays fast.
+# The public surface, resolved on first use so `prunewatch --help` (which imports prunewatch.commands.roi) stays fast.
 _EXPORTS = {
     "Assumptions": "roi.assumptions",
     "Basis": "roi.costs",

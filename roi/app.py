@@ -17,7 +17,8 @@ import pandas as pd
 import streamlit as st
 from annotated_types import Ge, Gt, Le
 
-from collector.results import ProbeResult
+from records.results import ProbeResult
+from records.store import safe_url
 from roi import app_charts
 from roi.analysis import no_sensitivity_text, projection, sensitivity, waterfall
 from roi.assumptions import Assumptions
@@ -25,9 +26,16 @@ from roi.calculator import calculate
 from roi.costs import Basis
 from roi.errors import RoiError
 from roi.formatting import number, pct
-from roi.measured import PROBE_MODEL_CAVEAT, MeasuredSummary, Window, scatter_points, select, summarize, trend
+from roi.measured import (
+    PROBE_MODEL_CAVEAT,
+    MeasuredSummary,
+    Window,
+    scatter_points,
+    select,
+    summarize,
+    trend,
+)
 from roi.settings import WINDOW_CHOICES_DAYS, RoiAppSettings
-from collector.store import safe_url
 from roi.store import load_results
 from roi.tables import cost_rows, headlines, input_rows, to_csv
 

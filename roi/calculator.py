@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from collector.results import ProbeResult
+from records.results import ProbeResult
 from roi.assumptions import Assumptions
 from roi.costs import RoiResult, compute
 from roi.inputs import resolve_inputs

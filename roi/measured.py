@@ -15,16 +15,14 @@ from typing import Iterable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from collector.results import ProbeResult
-from collector.settings import DEFAULT_MODEL_DIR
+from records.models import BUNDLED_PROBE_MODEL
+from records.results import ProbeResult
 
 Configuration = Literal["pruned", "dense"]
 
 BUCKET_CHOICES_S = (60, 300, 3_600, 21_600, 86_400)
 """Trend bucket widths (1 min .. 1 day); the narrowest one that keeps a trend under MAX_BUCKETS wins."""
 MAX_BUCKETS = 60
-BUNDLED_PROBE_MODEL = DEFAULT_MODEL_DIR.name
-"""Name the engine reports for the bundled probe model: its numbers prove the plumbing, not production savings."""
 PROBE_MODEL_CAVEAT = (f"Measured on the bundled probe model ({BUNDLED_PROBE_MODEL}): these are probe-model numbers "
                       "that show how the figures are obtained, not the savings of a production model. Point the "
                       "collector at your model, or override the GPU time per request with a production figure.")

@@ -12,14 +12,22 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Sequence, Union
 
-from collector.results import ProbeResult
+from records.results import ProbeResult
 from roi import report_charts
 from roi.analysis import no_sensitivity_text, projection, sensitivity, waterfall
 from roi.assumptions import Assumptions
 from roi.calculator import calculate
 from roi.costs import Basis, RoiResult
 from roi.formatting import number, payback_text, pct, usd
-from roi.measured import NOT_RECORDED, PROBE_MODEL_CAVEAT, MeasuredSummary, Window, scatter_points, select, trend
+from roi.measured import (
+    NOT_RECORDED,
+    PROBE_MODEL_CAVEAT,
+    MeasuredSummary,
+    Window,
+    scatter_points,
+    select,
+    trend,
+)
 from roi.provenance import Provenance
 from roi.tables import cost_rows, headlines, input_rows
 

@@ -11,8 +11,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from collector.results import ProbeResult
-from collector.store import ResultRepository, StoreUnavailableError, connect
+from records.results import ProbeResult
+from records.store import ResultRepository, StoreUnavailableError, connect
 from roi.errors import RoiStoreError
 from roi.measured import Window
 

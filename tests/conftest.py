@@ -56,8 +56,8 @@ def postgres() -> Iterator:
 @pytest.fixture(scope="session")
 def collected_sqlite(tmp_path_factory, probe_model_dir: Path, calibration_dir: Path) -> str:
     """A SQLite store filled by a real two-round embedded collector run; returns its URL."""
-    from collector.embedded import run_embedded
     from collector.settings import CollectorSettings
+    from prunewatch.embedded import run_embedded
 
     path = tmp_path_factory.mktemp("store") / "collected.db"
     url = f"sqlite:///{path}"

@@ -48,8 +48,8 @@ def test_every_help_page_renders_without_torch():
     assert heavy == "[]"
 
 
-@pytest.mark.parametrize("module", ["roi.app", "roi.report", "alerts", "dashboards.build", "collector.results",
-                                    "collector.store"])
+@pytest.mark.parametrize("module", ["roi.app", "roi.report", "alerts", "dashboards.build", "records.results",
+                                    "records.store"])
 def test_readers_of_the_store_import_no_torch(module):
     loaded = _run(f"import sys, {module}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
     assert loaded == "[]", f"import {module} pulls in {loaded}"

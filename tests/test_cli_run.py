@@ -264,12 +264,12 @@ def test_run_settings_come_from_flag_then_environment_then_default(tmp_path, pro
     """One precedence for the store URL, the interval and the model: flag > PRUNEWATCH_* > default."""
     from typer.testing import CliRunner
 
-    import collector.embedded
+    import prunewatch.embedded
     from prunewatch.cli import app
 
     seen = {}
-    monkeypatch.setattr(collector.embedded, "run_embedded", lambda settings: seen.setdefault("settings", settings)
-                        and collector.embedded.RunOutcome(0, 0, 0))
+    monkeypatch.setattr(prunewatch.embedded, "run_embedded", lambda settings: seen.setdefault("settings", settings)
+                        and prunewatch.embedded.RunOutcome(0, 0, 0))
     # model_folder resolves (and for the default, pulls) the model; here it only shows what it was asked for.
     monkeypatch.setattr("prunewatch.cli.model_folder", lambda spec: Path(spec) if spec else Path("default-model"))
     for name in ("PRUNEWATCH_DB_URL", "PRUNEWATCH_INTERVAL_S", "PRUNEWATCH_MODEL_DIR"):

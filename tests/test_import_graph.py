@@ -1,7 +1,7 @@
-"""No import cycles between the project's modules, counting imports inside functions too.
+"""The house's shape: parts import only parts below them, and no modules import each other in a cycle.
 
-A cycle hidden behind a function-level import still ties two modules into one: neither can be read,
-tested or moved alone. The graph is read from the source (ast), so the check costs no imports.
+Imports inside functions count too: a cycle or an upward arrow hidden behind a function-level import
+still ties two parts into one. The graph is read from the source (ast), so the check costs no imports.
 """
 
 from __future__ import annotations
@@ -10,7 +10,24 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("engine", "collector", "alerts", "dashboards", "roi", "prunewatch", "probes", "bench")
+LAYERS = {
+    # the foundations: they import nothing of ours
+    "engine": 0, "probes": 0, "services": 0,
+    # the contracts every part shares: result, metric families, PromQL, store
+    "records": 1,
+    # the parts that run engines: the scheduled prober and the HTTP API
+    "collector": 2, "server": 2,
+    # readers of records, and the benchmarks
+    "alerts": 3, "dashboards": 3, "roi": 3, "bench": 3,
+    # the one command-line layer
+    "prunewatch": 4,
+}
+"""Part -> level. A part may import its own level (no cycles) and any level below it, never above."""
+PARTS = tuple(LAYERS)
+ISOLATED = {"engine", "probes", "services"}
+"""Parts that import no other part of ours."""
+WITHOUT_ENGINE = ("alerts", "dashboards", "roi")
+"""Parts that read records only: nothing they import, directly or through other modules, is the engine."""
 
 
 def project_modules() -> dict[str, Path]:
@@ -102,5 +119,67 @@ def test_the_detector_finds_a_cycle_through_a_function_level_import():
 
 def test_no_import_cycles_between_project_modules():
     modules = project_modules()
-    assert {"engine.pruning_engine", "collector.store.migrate", "roi.report"} <= set(modules)
+    assert {"engine.pruning_engine", "records.store.migrate", "roi.report"} <= set(modules)
     assert cycles(import_graph(modules)) == []
+
+
+def part_of(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import of a module of a higher part, or of any other part by an isolated one."""
+    found = []
+    for module, deps in graph.items():
+        mine = part_of(module)
+        for dep in deps:
+            theirs = part_of(dep)
+            if theirs == mine:
+                continue
+            if LAYERS[theirs] > LAYERS[mine] or mine in ISOLATED:
+                found.append(f"{module} -> {dep}")
+    return sorted(found)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_layer_check_finds_an_upward_arrow_and_an_isolated_part_reaching_out():
+    graph = {"engine.a": {"records.b"}, "collector.c": {"prunewatch.d", "engine.a"}, "records.b": set(),
+             "prunewatch.d": {"collector.c"}}
+    assert upward_imports(graph) == ["collector.c -> prunewatch.d", "engine.a -> records.b"]
+
+
+def test_every_part_imports_only_parts_below_it():
+    modules = project_modules()
+    assert {part_of(name) for name in modules} == set(LAYERS), "a new top-level part needs a level in LAYERS"
+    assert upward_imports(import_graph(modules)) == []
+
+
+def test_readers_of_records_never_reach_the_engine():
+    graph = import_graph(project_modules())
+    for module in (name for name in graph if part_of(name) in WITHOUT_ENGINE):
+        engine = sorted(dep for dep in reachable(graph, module) if part_of(dep) == "engine")
+        assert not engine, f"{module} reaches the engine through {engine}"
+
+
+def test_the_bundled_probe_model_has_one_name():
+    from engine.model_store import PROBE_MODEL_DIR
+    from records.models import BUNDLED_PROBE_MODEL
+
+    assert PROBE_MODEL_DIR.name == BUNDLED_PROBE_MODEL and (PROBE_MODEL_DIR / "config.json").is_file()
+
+
+def test_parts_of_one_level_do_not_import_each_other_both_ways():
+    graph = import_graph(project_modules())
+    parts: dict[str, set[str]] = {part: set() for part in LAYERS}
+    for module, deps in graph.items():
+        parts[part_of(module)].update(part_of(dep) for dep in deps if part_of(dep) != part_of(module))
+    assert cycles(parts) == []

@@ -11,7 +11,6 @@ a failure names the service and its log, after stopping whatever had started.
 from __future__ import annotations
 
 import os
-import shutil
 import string
 import sys
 from collections.abc import Callable
@@ -19,10 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prunewatch.stack import configs
-from prunewatch.stack.postgres import LocalPostgres
-from prunewatch.stack.processes import (
+from prunewatch.stack.settings import StackSettings
+from prunewatch.stack.state import Service, StackState, StateError
+from services import (
+    ALERTMANAGER_BINARIES,
+    PROMETHEUS_BINARIES,
+    LocalPostgres,
     ProcessRecord,
     ServiceError,
+    find_binary,
     free_port,
     is_running,
     launch,
@@ -30,10 +34,7 @@ from prunewatch.stack.processes import (
     wait_for_http,
     wait_until,
 )
-from prunewatch.stack.settings import StackSettings
-from prunewatch.stack.state import Service, StackState, StateError
 
-ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")
 # The order `stack up` lists the services in.
 DISPLAY_ORDER = ("postgres", "engine-", "collector", "prometheus", "alertmanager", "slack-sink", "roi")
 # Stopped in this order: readers and writers of the store first, PostgreSQL last.
@@ -64,14 +65,6 @@ def display_rank(name: str) -> tuple[int, str]:
 
 def engine_names(count: int) -> list[str]:
     return [f"engine-{letter}" for letter in string.ascii_lowercase[:count]]
-
-
-def _binary(names: tuple[str, ...], package: str, service: str) -> str:
-    for name in names:
-        found = shutil.which(name)
-        if found:
-            return found
-    raise ServiceError(f"{service}: {names[0]} is not installed (apt-get install {package})")
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -156,8 +149,8 @@ def _start(settings: StackSettings, state: StackState, say: Callable[[str], None
                    ("postgres", "prometheus", "alertmanager", "slack-sink", "collector", "roi", *names)}
     ports = state.ports
     state.save()
-    prometheus_bin = _binary(("prometheus",), "prometheus", "prometheus")
-    alertmanager_bin = _binary(ALERTMANAGER_BINARIES, "prometheus-alertmanager", "alertmanager")
+    prometheus_bin = find_binary(PROMETHEUS_BINARIES, "prometheus", "prometheus")
+    alertmanager_bin = find_binary(ALERTMANAGER_BINARIES, "prometheus-alertmanager", "alertmanager")
     files = _write_configs(settings, root, ports, names)
     python = sys.executable
 
@@ -229,8 +222,8 @@ def _start(settings: StackSettings, state: StackState, say: Callable[[str], None
 
 def _migrate(store_url: str, pg: ProcessRecord) -> None:
     """Bring the store to the newest schema, as `prunewatch db upgrade` does."""
-    from collector.store import StoreUnavailableError, connect
-    from collector.store.migrate import upgrade
+    from records.store import StoreUnavailableError, connect
+    from records.store.migrate import upgrade
 
     try:
         engine = connect(store_url)

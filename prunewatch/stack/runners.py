@@ -3,8 +3,8 @@
     python -m prunewatch.stack.runners serve --model DIR --port 8001 [--device cpu] [--calibration-dir D]
     python -m prunewatch.stack.runners collect --config targets.yaml
 
-`serve` runs engine.server.serve (what `prunewatch serve` runs); `collect` is the collector's own
-command function (collector/cli.py, what `prunewatch collect` runs). They live here so the stack
+`serve` runs server.serve (what `prunewatch serve` runs); `collect` is the collector's own
+command function (prunewatch/commands/collect.py, what `prunewatch collect` runs). They live here so the stack
 does not depend on how the top-level `prunewatch` app mounts its commands.
 """
 
@@ -26,7 +26,7 @@ def serve_command(
     calibration_dir: Path = typer.Option(None, help="Calibration cache (default: the engine's)."),
 ) -> None:
     """The engine's OpenAI-compatible server (API keys from PRUNEWATCH_API_KEYS_FILE)."""
-    from engine.server import serve
+    from server import serve
 
     if device not in ("auto", "cpu", "cuda"):
         typer.echo(f"error: --device must be auto, cpu or cuda, got {device!r}", err=True)
@@ -35,7 +35,7 @@ def serve_command(
 
 
 def _mount_collector() -> None:
-    from collector.cli import collect_command
+    from prunewatch.commands.collect import collect_command
 
     app.command("collect")(collect_command)
 

@@ -14,7 +14,6 @@ from probes import DEFAULT_PROBES_PATH
 DEFAULT_STATE_DIR = Path(".prunewatch") / "stack"
 # The bundled probe model (the same folder collector.settings names; not imported from there,
 # so `stack down` does not pay for importing the collector and torch).
-DEFAULT_MODEL_DIR = PROBE_MODEL_DIR  # the stack's engines serve the bundled probe model unless told otherwise
 
 
 class StackSettings(BaseSettings):
@@ -26,7 +25,7 @@ class StackSettings(BaseSettings):
         DEFAULT_STATE_DIR,
         description="Holds every generated config, secret, pid, log and the PostgreSQL cluster; "
                     "`stack down` reads it to stop what `stack up` started.")
-    model_dir: Path = Field(DEFAULT_MODEL_DIR,
+    model_dir: Path = Field(PROBE_MODEL_DIR,
                             description="Model folder every engine serves (its folder name is the model id).")
     engines: int = Field(2, ge=1, le=8, description="Engine servers to start; the collector probes each one.")
     device: Literal["auto", "cpu", "cuda"] = Field(

@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from collector.results import ProbeResult
-from collector.store import ResultRepository, connect, create_schema
+from records.results import ProbeResult
+from records.store import ResultRepository, connect, create_schema
 from tests.alerts.slack_receiver import SlackReceiver
 
 T0 = datetime(2026, 3, 2, 9, 0, 0, tzinfo=timezone.utc)

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 
 from alerts.durations import parse_duration
-from collector.metrics import LATENCY_BUCKETS
-from collector.results import ProbeResult
+from records.metrics import LATENCY_BUCKETS
+from records.results import ProbeResult
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # promtool evaluates from Unix time 0
 GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_token_agreement": "token_agreement"}

@@ -19,8 +19,14 @@ from sqlalchemy.orm import Session
 from alerts import AlertingSettings, EmbeddedAlerting
 from alerts.durations import parse_duration
 from alerts.settings import RULES_PATH
-from collector.store import ResultRepository, connect, create_schema
-from tests.alerts.promtool_cases import EPOCH, NotConvertible, load_cases, parse_series, results_for
+from records.store import ResultRepository, connect, create_schema
+from tests.alerts.promtool_cases import (
+    EPOCH,
+    NotConvertible,
+    load_cases,
+    parse_series,
+    results_for,
+)
 
 RULES_TEST = RULES_PATH.parent / "rules_test.yml"
 EVAL_INTERVAL, CASES = load_cases(RULES_TEST)

@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from alerts import AlertingSettings, EmbeddedAlerting, RuleSettings, UnsupportedRulesError, render_rules
+from alerts import (
+    AlertingSettings,
+    EmbeddedAlerting,
+    RuleSettings,
+    UnsupportedRulesError,
+    render_rules,
+)
 from alerts.slack import slack_text, slack_title
-from collector.store import connect
+from records.store import connect
 from tests.alerts.conftest import T0, result, store_results
 from tests.alerts.slack_receiver import SlackReceiver
 

@@ -11,7 +11,7 @@ from pydantic import SecretStr
 from sqlalchemy.orm import Session
 
 from alerts import AlertingSettings, EmbeddedAlerting, RuleSettings, render_rules
-from collector.store import ResultRepository, connect
+from records.store import ResultRepository, connect
 from tests.alerts.slack_receiver import SlackReceiver
 
 

@@ -26,11 +26,16 @@ from sqlalchemy.orm import Session
 from alerts import RuleSettings, render_rules
 from alerts.settings import ALERTMANAGER_PATH
 from alerts.slack import slack_text, slack_title
-from collector.metrics import CollectorMetrics
-from collector.results import ProbeResult
-from collector.store import ResultRepository, connect
+from records.metrics import CollectorMetrics
+from records.results import ProbeResult
+from records.store import ResultRepository, connect
 from tests.alerts.slack_receiver import SlackReceiver
-from tests.support.servers import ProcessServer, alertmanager_server, free_port, prometheus_server
+from tests.support.servers import (
+    ProcessServer,
+    alertmanager_server,
+    free_port,
+    prometheus_server,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

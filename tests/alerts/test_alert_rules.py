@@ -11,9 +11,16 @@ from pydantic import ValidationError
 
 from alerts import RULES_PATH, RuleSettings, render_rules
 from alerts._parser import Binary, Paren, parse
-from alerts.promql import PROMQL_AGREEMENT_AVG_1H, PROMQL_AGREEMENT_BY_DOMAIN, PROMQL_BUFFER_DEPTH
 from alerts.rules import compare
-from collector.metrics import PROMQL_FAILURE_RATE, PROMQL_LATENCY_P99, PROMQL_RATIO_AVG_24H, PROMQL_RATIO_BY_DOMAIN
+from records.promql import (
+    PROMQL_AGREEMENT_AVG_1H,
+    PROMQL_AGREEMENT_BY_DOMAIN,
+    PROMQL_BUFFER_DEPTH,
+    PROMQL_FAILURE_RATE,
+    PROMQL_LATENCY_P99,
+    PROMQL_RATIO_AVG_24H,
+    PROMQL_RATIO_BY_DOMAIN,
+)
 
 ALERT_SOURCES = {
     "PruningRatioLow": (PROMQL_RATIO_AVG_24H, "<"),

@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
 from alerts._series import GAUGES, NAME, StoreSeries, counter_names
-from collector.metrics import CollectorMetrics
-from collector.results import ProbeResult
-from collector.store import ResultRepository, connect
+from records.metrics import CollectorMetrics
+from records.results import ProbeResult
+from records.store import ResultRepository, connect
 from tests.alerts.conftest import T0, result
 
 

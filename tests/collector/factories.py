@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from collector.results import ProbeResult
 from probes import Probe
+from records.results import ProbeResult
 
 PROBE = Probe(id="tech-route", domain="tech", version=3, max_tokens=8, system="Be brief.", prompt="Show routes.")
 

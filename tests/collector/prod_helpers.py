@@ -14,9 +14,9 @@ from typing import Iterator
 import psycopg
 from sqlalchemy import text
 
-from collector.store import connect
 from engine.stats import GenerationResult, RequestStats
 from probes import Probe, ProbeSet
+from records.store import connect
 
 PROBES = ProbeSet(tuple(
     Probe(id=f"{domain}-{i}", domain=domain, version=1, max_tokens=4, system="", prompt=f"{domain} question {i}")

@@ -5,7 +5,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from collector.metrics import LATENCY_BUCKETS, CollectorMetrics
+from records.metrics import LATENCY_BUCKETS, CollectorMetrics
 from tests.collector.factories import ok_result
 from tests.support.servers import free_port
 

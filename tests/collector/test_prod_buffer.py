@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
 from collector.buffered import Backoff, BufferedStore
-from collector.metrics import CollectorMetrics
 from collector.spool import DiskSpool, SpoolError, result_from_payload, result_payload
-from collector.store import ResultRepository, connect, create_schema
+from records.metrics import CollectorMetrics
+from records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import ok_result
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
@@ -109,7 +109,7 @@ def test_replaying_a_committed_batch_writes_nothing_twice(tmp_path):
     assert rows(engine) == ([f"{i:032x}" for i in range(6)], 1)
     assert restarted.written == 3  # the 3 replayed results were skipped, not inserted again
     with Session(engine) as session:
-        from collector.store.models import RoundRow
+        from records.store.models import RoundRow
 
         round_row = session.get(RoundRow, "a" * 32)
         assert (round_row.probes_ok, round_row.probes_failed) == (6, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from collector.cli import collect_command
+from prunewatch.commands.collect import collect_command
 from tests.collector.prod_helpers import baseline_server, count_rows
 
 

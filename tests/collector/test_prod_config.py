@@ -7,8 +7,8 @@ import textwrap
 import pytest
 
 from collector.fleet import build_jobs
-from collector.settings import DEFAULT_MODEL_DIR
 from collector.target_config import TargetConfigError, load_targets
+from engine.model_store import PROBE_MODEL_DIR
 from tests.collector.prod_helpers import PROBES
 
 GOOD = """
@@ -51,7 +51,7 @@ def test_defaults_apply_and_keys_come_from_the_environment(tmp_path, monkeypatch
     config = load_targets(write(tmp_path, GOOD))
     embedded, gpu, vllm = config.targets
     assert (embedded.kind, embedded.interval_s, embedded.timeout_s, embedded.sensitivity, embedded.jitter_s,
-            embedded.model_dir, embedded.device) == ("in_process", 30.0, 20.0, 0.4, 2.0, DEFAULT_MODEL_DIR, "cpu")
+            embedded.model_dir, embedded.device) == ("in_process", 30.0, 20.0, 0.4, 2.0, PROBE_MODEL_DIR, "cpu")
     assert (gpu.base_url, gpu.interval_s, gpu.timeout_s, gpu.sensitivity, gpu.domains) == (
         "http://10.0.0.5:8000", 10.0, 20.0, 0.6, ["legal", "tech"])
     assert gpu.api_key() == "sk-secret" and "sk-secret" not in repr(config)

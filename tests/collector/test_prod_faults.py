@@ -13,9 +13,16 @@ import psycopg
 import pytest
 
 from collector.fleet import FleetSettings, run_collector
-from collector.metrics import CollectorMetrics
 from collector.scheduler import TargetJob
-from tests.collector.prod_helpers import PROBES, FakeTarget, count_rows, fresh_database, spool_result_ids, wait_until
+from records.metrics import CollectorMetrics
+from tests.collector.prod_helpers import (
+    PROBES,
+    FakeTarget,
+    count_rows,
+    fresh_database,
+    spool_result_ids,
+    wait_until,
+)
 from tests.conftest import REPO_ROOT
 from tests.support.servers import free_port, postgres_available, postgres_server
 

@@ -10,11 +10,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from collector.fleet import FleetSettings, run_collector
-from collector.metrics import CollectorMetrics
 from collector.pushgateway import Pushgateway
 from collector.scheduler import TargetJob
+from records.metrics import CollectorMetrics
 from tests.collector.factories import ok_result
-from tests.collector.prod_helpers import PROBES, FakeTarget, pushgateway_binary, pushgateway_server
+from tests.collector.prod_helpers import (
+    PROBES,
+    FakeTarget,
+    pushgateway_binary,
+    pushgateway_server,
+)
 
 
 def test_probe_duration_counts_every_status_per_target():

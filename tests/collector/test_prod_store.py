@@ -12,11 +12,11 @@ from sqlalchemy import inspect, text
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from collector.cli import db_prune_command, db_upgrade_command
-from collector.store import ResultRepository, connect, create_schema
-from collector.store.migrate import current_revision, downgrade, head_revision, upgrade
-from collector.store.models import Base
-from collector.store.retention import parse_age, prune_older_than
+from prunewatch.commands.collect import db_prune_command, db_upgrade_command
+from records.store import ResultRepository, connect, create_schema
+from records.store.migrate import current_revision, downgrade, head_revision, upgrade
+from records.store.models import Base
+from records.store.retention import parse_age, prune_older_than
 from tests.collector.factories import ok_result
 from tests.collector.prod_helpers import count_rows, fresh_database
 

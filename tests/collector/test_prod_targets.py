@@ -11,12 +11,18 @@ from sqlalchemy import text
 from collector.exporters import SqlExporter
 from collector.http_target import HttpTarget, parse_stats_header
 from collector.probe_round import run_round
-from collector.store import connect, create_schema
 from collector.targets import InProcessTarget, ProbeCancelledError
-from engine.server.app import create_app
-from engine.server.settings import ServerSettings
 from probes import ProbeSet
-from tests.collector.prod_helpers import PROBES, SMALL_PROBES, FakeTarget, baseline_server, serving
+from records.store import connect, create_schema
+from server.app import create_app
+from server.settings import ServerSettings
+from tests.collector.prod_helpers import (
+    PROBES,
+    SMALL_PROBES,
+    FakeTarget,
+    baseline_server,
+    serving,
+)
 
 KEY = "sk-collector-test"
 

@@ -10,12 +10,19 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from collector.cli import tune_command
 from collector.http_target import HttpTarget
 from collector.targets import InProcessTarget
-from collector.tune import TuneError, TuneSettings, kneedle, tune, word_agreement, write_report
+from collector.tune import (
+    TuneError,
+    TuneSettings,
+    kneedle,
+    tune,
+    word_agreement,
+    write_report,
+)
 from engine.stats import GenerationResult, QualityReport, RequestStats
 from probes import ProbeSet
+from prunewatch.commands.collect import tune_command
 from tests.collector.prod_helpers import PROBES, SMALL_PROBES
 
 GRID = tuple(round(i / 10, 1) for i in range(11))

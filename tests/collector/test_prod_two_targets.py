@@ -7,12 +7,12 @@ from prometheus_client import CollectorRegistry
 
 from collector.fleet import FleetSettings, run_collector
 from collector.http_target import HttpTarget
-from collector.metrics import CollectorMetrics
 from collector.scheduler import TargetJob
-from collector.store import ResultRepository, connect
 from collector.targets import InProcessTarget
-from engine.server.app import create_app
-from engine.server.settings import ServerSettings
+from records.metrics import CollectorMetrics
+from records.store import ResultRepository, connect
+from server.app import create_app
+from server.settings import ServerSettings
 from tests.collector.prod_helpers import SMALL_PROBES, fresh_database, serving
 
 pytestmark = pytest.mark.integration

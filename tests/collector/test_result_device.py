@@ -10,8 +10,8 @@ from sqlalchemy.orm import Session
 from collector.exporters import SqlExporter
 from collector.http_target import observation_from_response
 from collector.probe_round import run_round
-from collector.store import ResultRepository, connect, create_schema
 from collector.targets import device_name_of, processor_name
+from records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import PROBE
 from tests.collector.prod_helpers import PROBES, FakeTarget
 

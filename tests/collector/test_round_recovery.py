@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from collector.buffered import BufferedStore
 from collector.spool import DiskSpool
-from collector.store import ResultRepository, connect, create_schema
+from records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import ok_result
 from tests.collector.prod_helpers import PROBES, count_rows, fresh_database, wait_until
 from tests.conftest import REPO_ROOT

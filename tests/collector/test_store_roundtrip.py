@@ -5,7 +5,12 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy.orm import Session
 
-from collector.store import ResultRepository, StoreUnavailableError, connect, create_schema
+from records.store import (
+    ResultRepository,
+    StoreUnavailableError,
+    connect,
+    create_schema,
+)
 from tests.collector.factories import ok_result
 
 

@@ -10,13 +10,19 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from dashboards import build_dashboards, check_exported, export_dashboards, panel_queries, template_variables
-from dashboards.cli import export_command, push_command
+from dashboards import (
+    build_dashboards,
+    check_exported,
+    export_dashboards,
+    panel_queries,
+    template_variables,
+)
 from dashboards.export import JSON_DIR, render
 from dashboards.panels import GRID_WIDTH, POSTGRES_TYPE, PROMETHEUS_TYPE
 from dashboards.promql import MODEL_DOMAIN, scoped
 from dashboards.rules import RuleFileError, load_rule_file, parse_bucket, recorded
 from dashboards.settings import DashboardSettings
+from prunewatch.commands.dashboards import export_command, push_command
 
 PROVISIONING = Path(__file__).resolve().parents[2] / "dashboards" / "provisioning"
 
@@ -144,7 +150,7 @@ def test_scoped_adds_the_matchers_to_every_prunewatch_selector():
 
 
 def test_recorded_names_come_from_the_rule_file():
-    from collector.metrics import PROMQL_LATENCY_P99, PROMQL_RATIO_AVG_24H
+    from records.promql import PROMQL_LATENCY_P99, PROMQL_RATIO_AVG_24H
 
     assert recorded(PROMQL_RATIO_AVG_24H) == "prunewatch:pruning_ratio_avg:24h"
     assert recorded(PROMQL_LATENCY_P99) == "prunewatch:inference_latency_p99:5m"

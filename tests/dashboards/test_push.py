@@ -11,9 +11,14 @@ import typer
 from typer.testing import CliRunner
 
 from dashboards import build_dashboards
-from dashboards.cli import export_command, push_command
-from dashboards.push import PUSH_MESSAGE, GrafanaPushError, PushSettings, push_dashboards
+from dashboards.push import (
+    PUSH_MESSAGE,
+    GrafanaPushError,
+    PushSettings,
+    push_dashboards,
+)
 from dashboards.settings import DashboardSettings
+from prunewatch.commands.dashboards import export_command, push_command
 from tests.dashboards.fake_grafana import fake_grafana
 
 UIDS = ["prunewatch-overview", "prunewatch-engine", "prunewatch-history"]

@@ -31,15 +31,15 @@ from sqlalchemy.engine import make_url
 
 from alerts.settings import RULES_PATH
 from collector.exporters import SqlExporter
-from collector.metrics import CollectorMetrics
 from collector.probe_round import run_round
-from collector.results import ProbeResult
-from collector.store import connect, create_schema
 from collector.targets import InProcessTarget
 from dashboards import build_dashboards, panel_queries, template_variables
 from dashboards.rules import load_rule_file, parse_bucket
 from dashboards.settings import DashboardSettings
 from probes import Probe, ProbeSet, load_probes
+from records.metrics import CollectorMetrics
+from records.results import ProbeResult
+from records.store import connect, create_schema
 from tests.dashboards.grafana_expand import Selection, expand_promql, expand_sql
 from tests.support.servers import free_port, prometheus_server
 

@@ -21,7 +21,12 @@ import pytest
 import yaml
 
 from prunewatch.stack.configs import COLLECTOR_JOB, ENGINE_JOB
-from tests.deploy.compose_env import MissingVariables, interpolate, read_env_file, variables_used
+from tests.deploy.compose_env import (
+    MissingVariables,
+    interpolate,
+    read_env_file,
+    variables_used,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_PATH = REPO / "docker-compose.yml"
@@ -340,10 +345,10 @@ def test_env_example_names_never_shadow_a_setting_by_accident(raw):
     from alerts.settings import AlertingSettings, RuleSettings
     from collector.fleet import FleetSettings
     from collector.settings import CollectorSettings
-    from engine.server.settings import ServerSettings
     from engine.settings import EngineSettings
     from prunewatch.stack.settings import StackSettings
     from roi.settings import RoiAppSettings
+    from server.settings import ServerSettings
 
     setting_names: set[str] = set()
     classes: list[type[BaseSettings]] = [CollectorSettings, FleetSettings, EngineSettings, ServerSettings,

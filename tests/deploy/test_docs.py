@@ -22,10 +22,10 @@ def _section(title: str) -> str:
 def _settings_classes():
     from alerts.settings import AlertingSettings, RuleSettings
     from collector.fleet import FleetSettings
-    from engine.server.settings import ServerSettings
     from engine.settings import EngineSettings
     from prunewatch.stack.settings import StackSettings
     from roi.settings import RoiAppSettings
+    from server.settings import ServerSettings
 
     return [EngineSettings, ServerSettings, FleetSettings, RuleSettings, AlertingSettings, RoiAppSettings,
             StackSettings]

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from prunewatch.stack.configs import COLLECTOR_JOB, ENGINE_JOB
-from prunewatch.stack.postgres import LocalPostgres
 from prunewatch.stack.slack_sink import read_messages
+from services import LocalPostgres
 
 pytestmark = pytest.mark.integration
 
@@ -141,7 +141,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
         store = LocalPostgres(state_dir / "postgres", ports["postgres"])
         from sqlalchemy import text
 
-        from collector.store import connect
+        from records.store import connect
 
         engine = connect(store.url)
         probe_ids = [p["id"] for p in yaml.safe_load(PROBES.read_text())["probes"]]

@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from alerts.settings import ALERTMANAGER_PATH, RULES_PATH
+from engine.model_store import PROBE_MODEL_DIR
 from prunewatch.stack import configs
-from prunewatch.stack.settings import DEFAULT_MODEL_DIR, StackSettings
+from prunewatch.stack.settings import StackSettings
 
 ENGINES = [configs.EngineEndpoint("engine-a", 18001), configs.EngineEndpoint("engine-b", 18002)]
 
@@ -88,9 +89,9 @@ def test_engine_key_is_made_once_and_kept_private(tmp_path):
 
 
 def test_stack_defaults_match_the_collector_and_bad_input_is_one_line():
-    from collector.settings import DEFAULT_MODEL_DIR as COLLECTOR_DEFAULT
+    from collector.settings import CollectorSettings
 
-    assert DEFAULT_MODEL_DIR == COLLECTOR_DEFAULT and StackSettings().model_dir == DEFAULT_MODEL_DIR
+    assert StackSettings().model_dir == CollectorSettings().model_dir == PROBE_MODEL_DIR
     done = subprocess.run([sys.executable, "-m", "prunewatch.stack", "up", "--engines", "0"], check=False,
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (2, "error: engines: Input should be greater than or equal to 1 (got 0)\n")

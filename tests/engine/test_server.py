@@ -22,8 +22,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine.pruning_engine import PruningEngine
-from engine.server import ServerSettings, build_engine, create_app, serve_in_background
-from engine.server import pruning_headers as ph
+from server import ServerSettings, build_engine, create_app, serve_in_background
+from server import pruning_headers as ph
 
 MODEL_DIR = Path(__file__).parents[2] / "engine" / "models" / "probe-llama"
 API_KEY = "sk-prunewatch-test-key"

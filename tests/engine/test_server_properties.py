@@ -33,10 +33,10 @@ from prometheus_client import CollectorRegistry
 from engine.errors import InvalidRequestError
 from engine.planner import validate_request
 from engine.pruning_engine import TokenDelta
-from engine.server import ServerSettings, create_app
-from engine.server import pruning_headers as ph
 from engine.settings import LogLevel
 from engine.stats import GenerationResult, QualityReport, RequestStats
+from server import ServerSettings, create_app
+from server import pruning_headers as ph
 
 API_KEY = "sk-prunewatch-property-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

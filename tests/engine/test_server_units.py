@@ -16,18 +16,14 @@ import pytest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 
-from engine.server.admission import AdmissionQueue, QueueFullError
-from engine.server.auth import ApiKeyAuth, bearer_token, read_keys_file
-from engine.server.errors import APIError, _loc
-from engine.server.middleware import BodyLimitMiddleware, endpoint_label
-from engine.server.redaction import (
-    QuerySecretsFilter,
-    has_secret_param,
-    install_log_redaction,
-    redact_query,
-)
 from collector.http_target import parse_stats_header
-from engine.server.pruning_headers import (
+from engine.settings import LogLevel
+from engine.stats import QualityReport, RequestStats
+from server.admission import AdmissionQueue, QueueFullError
+from server.auth import ApiKeyAuth, bearer_token, read_keys_file
+from server.errors import APIError, _loc
+from server.middleware import BodyLimitMiddleware, endpoint_label
+from server.pruning_headers import (
     PruningRequest,
     parse_blacklist,
     parse_log_level,
@@ -36,9 +32,13 @@ from engine.server.pruning_headers import (
     parse_sensitivity,
     stats_header,
 )
-from engine.server.settings import ServerSettings
-from engine.settings import LogLevel
-from engine.stats import QualityReport, RequestStats
+from server.redaction import (
+    QuerySecretsFilter,
+    has_secret_param,
+    install_log_redaction,
+    redact_query,
+)
+from server.settings import ServerSettings
 
 # -- settings -----------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from collector.results import ProbeResult
+from records.results import ProbeResult
 from roi.measured import Window
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)

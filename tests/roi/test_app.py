@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from collector.store import connect, create_schema
+from records.store import connect, create_schema
 from roi import Assumptions, Basis, calculate
 from roi.app import current_window
 from roi.measured import PROBE_MODEL_CAVEAT

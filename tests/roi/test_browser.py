@@ -20,7 +20,7 @@ from tests.roi.webdriver import browser_available, headless_chromium
 from tests.support.servers import free_port, wait_for_http
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCHER = "import typer; from roi.cli import roi_command; typer.run(roi_command)"
+LAUNCHER = "import typer; from prunewatch.commands.roi import roi_command; typer.run(roi_command)"
 # Streamlit renders client-side and lazily: wait until no skeleton is left, every Vega chart has drawn
 # its marks and the inputs table has cells, so the screenshot shows the finished page.
 RENDERED = """

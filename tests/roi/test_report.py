@@ -12,8 +12,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from prunewatch.commands.roi import report_command, roi_command
 from roi import Assumptions, Basis, Window, calculate, sensitivity
-from roi.cli import report_command, roi_command
 from roi.formatting import pct, usd
 from roi.measured import PROBE_MODEL_CAVEAT
 from roi.store import load_results

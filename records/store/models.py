@@ -1,6 +1,6 @@
 """Tables: one row per collector round, one row per probe result.
 
-The schema of record is the Alembic history in collector/store/migrations; these models equal its
+The schema of record is the Alembic history in records/store/migrations; these models equal its
 head (a test compares them), so a change here needs a new revision there.
 """
 

@@ -1,7 +1,7 @@
 """The engine's OpenAI-compatible HTTP API: chat, completions, batch, models, health, metrics."""
 
-from engine.server.app import create_app
-from engine.server.run import build_engine, serve, serve_in_background
-from engine.server.settings import ServerSettings
+from server.app import create_app
+from server.run import build_engine, serve, serve_in_background
+from server.settings import ServerSettings
 
 __all__ = ["ServerSettings", "build_engine", "create_app", "serve", "serve_in_background"]

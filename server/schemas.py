@@ -9,7 +9,7 @@ sequences) are rejected explicitly rather than silently ignored. Decoding is gre
 
 from __future__ import annotations
 
-from typing import Any, Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 

@@ -9,13 +9,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import typer
-
-from prunewatch.cli_errors import fail, first_validation_error
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from alerts.settings import ALERTMANAGER_PATH, RULES_PATH
+from prunewatch.cli_errors import fail, first_validation_error
 
 
 def render_rules_command(
@@ -84,7 +83,7 @@ def eval_command(
     from alerts.embedded import EmbeddedAlerting
     from alerts.ruleset import RuleFileError
     from alerts.settings import AlertingSettings
-    from collector.store import StoreUnavailableError, connect
+    from records.store import StoreUnavailableError, connect
 
     try:
         when = datetime.fromisoformat(at) if at else datetime.now(timezone.utc)

@@ -1,4 +1,7 @@
-"""The collector's unit of record: one probe run against one target, successful or not."""
+"""The unit of record shared by every part: one probe run against one target, successful or not.
+
+Plain data, importing nothing of the engine: the ROI app, alerts and dashboards read it without torch.
+The engine's RequestStats become a ProbeResult in records/engine_stats.py."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from engine.stats import RequestStats
 from probes import Probe
 
 
@@ -82,22 +84,6 @@ class ProbeResult:
         return values
 
     @classmethod
-    def from_stats(cls, *, target: str, probe: Probe, round_id: str, stats: RequestStats, text: str,
-                   duration_ms: float, device_name: str | None = None) -> "ProbeResult":
-        quality = stats.quality
-        copied = {name: getattr(stats, name) for name in _STATS_FIELDS}  # same name, same meaning
-        copied["layers_bypassed"] = list(stats.layers_bypassed)
-        return cls(
-            target=target, probe_id=probe.id, probe_version=probe.version, probe_hash=probe.content_hash,
-            domain=probe.domain, status="ok", round_id=round_id, **copied,
-            quality_ms=stats.quality_ms if quality else None,  # absent when no check ran, not 0
-            token_agreement=quality.token_agreement if quality else None,
-            perplexity_delta_pct=quality.perplexity_delta_pct if quality else None,
-            matched_domain=stats.domain,  # the calibrated domain the prompt matched; `domain` is the probe's
-            duration_ms=duration_ms, output_text=text, device=stats.device or None, device_name=device_name,
-        )
-
-    @classmethod
     def failure(cls, *, target: str, model: str, probe: Probe, round_id: str, reason: str, message: str,
                 duration_ms: float) -> "ProbeResult":
         return cls(
@@ -108,6 +94,3 @@ class ProbeResult:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(ProbeResult))
-_STATS_FIELDS = tuple(sorted(
-    (set(_FIELD_NAMES) & {f.name for f in fields(RequestStats)}) - {"domain", "quality_ms", "device"}))
-"""RequestStats fields a ProbeResult keeps under the same name (domain, quality_ms and device differ)."""

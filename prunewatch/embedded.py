@@ -14,18 +14,18 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from collector.exporters import LogExporter, SqlExporter
-from collector.live_table import round_table
 from collector.exposition import start_metrics_server
-from collector.metrics import CollectorMetrics
+from collector.live_table import round_table
 from collector.probe_round import RoundSummary
 from collector.scheduler import ProbeScheduler
 from collector.settings import CollectorSettings
-from collector.store import ResultRepository, connect_without_writing, create_schema
 from collector.targets import InProcessTarget
-from collector.results import utcnow
 from engine import EngineSettings, PruningEngine
 from engine.loading import check_model_dir
 from probes import load_probes
+from records.metrics import CollectorMetrics
+from records.results import utcnow
+from records.store import ResultRepository, connect_without_writing, create_schema
 
 logger = logging.getLogger("prunewatch.collector")
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
-from prunewatch.cli_errors import fail, first_validation_error
 from pydantic import ValidationError
 
 from dashboards.export import JSON_DIR, check_exported, export_dashboards
 from dashboards.push import GrafanaPushError, PushSettings, push_dashboards
 from dashboards.settings import DashboardSettings
+from prunewatch.cli_errors import fail, first_validation_error
 
 
 def _settings(usd_per_million_tokens: float, gpu_usd_per_hour: float) -> DashboardSettings:

@@ -14,10 +14,10 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
-from engine.server.auth import ApiKeyAuth
-from engine.server.errors import AUTHENTICATION, APIError
-from engine.server.metrics import ServerMetrics
-from engine.server.redaction import has_secret_param
+from server.auth import ApiKeyAuth
+from server.errors import AUTHENTICATION, APIError
+from server.metrics import ServerMetrics
+from server.redaction import has_secret_param
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -6,6 +6,7 @@ one-line `error: ...` and exit code 2.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,13 @@ import typer
 
 from prunewatch.cli_errors import fail
 
-APP_PATH = Path(__file__).resolve().parent / "app.py"
+
+
+def app_path() -> Path:
+    """The Streamlit script of the ROI part, found without importing it (it loads pandas and plotly)."""
+    spec = importlib.util.find_spec("roi.app")
+    assert spec is not None and spec.origin is not None, "the roi package ships roi/app.py"
+    return Path(spec.origin)
 
 
 def roi_command(
@@ -24,9 +31,14 @@ def roi_command(
     days: int = typer.Option(30, help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days)."),
 ) -> None:
     """Open the ROI calculator (Streamlit) on the store's measurements; PRUNEWATCH_ROI_PASSWORD locks it."""
+    from records.store import safe_url
     from roi.errors import RoiStoreError
-    from roi.settings import DB_URL_ENV, DEFAULT_DAYS_ENV, PASSWORD_ENV, WINDOW_CHOICES_DAYS
-    from collector.store import safe_url
+    from roi.settings import (
+        DB_URL_ENV,
+        DEFAULT_DAYS_ENV,
+        PASSWORD_ENV,
+        WINDOW_CHOICES_DAYS,
+    )
     from roi.store import check_store
 
     if days not in WINDOW_CHOICES_DAYS:
@@ -39,7 +51,7 @@ def roi_command(
     lock = "password required" if os.environ.get(PASSWORD_ENV) else f"no password (set {PASSWORD_ENV} to require one)"
     typer.echo(f"ROI app on http://{host}:{port} for store {safe_url(db)}; {lock}; Ctrl-C stops it")
     sys.stdout.flush()
-    command = [sys.executable, "-m", "streamlit", "run", str(APP_PATH), "--server.address", host,
+    command = [sys.executable, "-m", "streamlit", "run", str(app_path()), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
     os.execve(sys.executable, command, env)  # the app replaces this process, so signals reach Streamlit directly
 

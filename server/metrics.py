@@ -1,6 +1,6 @@
 """Live-traffic metrics of the HTTP API.
 
-The per-request families are the collector's own (`collector.metrics.CollectorMetrics`): same
+The per-request families are the collector's own (`records.metrics.CollectorMetrics`): same
 names, help, labels and buckets, so a dashboard or alert rule written for probe results reads live
 traffic too; live requests carry `probe="live"` where the collector's families have a probe label.
 This module adds what only a server has: request counters by endpoint and status, the admission
@@ -11,38 +11,14 @@ The engine fills `RequestStats`; `record_generation` is the exporter that turns 
 
 from __future__ import annotations
 
-import re
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from collector.metrics import LATENCY_BUCKETS, CollectorMetrics
 from engine.stats import RequestStats
+from records.metrics import LATENCY_BUCKETS, CollectorMetrics, check_metric_name
 
 LIVE_PROBE = "live"
 SELF_TARGET = ""  # the collector's `target` label names a probed engine; an engine's own traffic has none
 NO_DOMAIN = "none"  # requests that ran dense (sensitivity 0, or no calibration): no domain matched
-
-# Traffic-weighted pruning ratio over live requests: the share of dense linear FLOPs skipped.
-# The ratio gauge holds the last request only; this is the figure to chart and alert on for traffic.
-PROMQL_LIVE_RATIO_5M = (
-    "1 - sum by (model, domain) (rate(prunewatch_executed_flops_total[5m]))"
-    " / clamp_min(sum by (model, domain) (rate(prunewatch_dense_flops_total[5m])), 1e-9)"
-)
-PROMQL_ERROR_RATE_5M = (
-    'sum by (model, endpoint) (rate(prunewatch_requests_total{status=~"5.."}[5m]))'
-    " / clamp_min(sum by (model, endpoint) (rate(prunewatch_requests_total[5m])), 1e-9)"
-)
-PROMQL_REQUEST_P99_5M = (
-    "histogram_quantile(0.99, sum by (le, model, endpoint) (rate(prunewatch_request_duration_seconds_bucket[5m])))"
-)
-
-
-def _check_name(name: str) -> str:
-    """Fail at construction, not at scrape time, on a name Prometheus or our conventions reject."""
-    if not re.fullmatch(r"prunewatch_[a-z0-9_]+", name):
-        raise ValueError(f"metric name {name!r} must be snake_case and start with prunewatch_")
-    return name
-
 
 class ServerMetrics:
     """Metric families of one server, registered in the given registry (a fresh one per test)."""
@@ -53,28 +29,28 @@ class ServerMetrics:
         r = self.registry
         self.shared = CollectorMetrics(registry=r)
         self.requests = Counter(
-            _check_name("prunewatch_requests"),
+            check_metric_name("prunewatch_requests"),
             "HTTP requests answered, by endpoint and status code.", ["model", "endpoint", "status"], registry=r)
         self.request_duration = Histogram(
-            _check_name("prunewatch_request_duration_seconds"),
+            check_metric_name("prunewatch_request_duration_seconds"),
             "Wall time of an HTTP request, queueing included, until its last byte.", ["model", "endpoint"],
             buckets=LATENCY_BUCKETS, registry=r)
         self.in_queue = Gauge(
-            _check_name("prunewatch_requests_in_queue"),
+            check_metric_name("prunewatch_requests_in_queue"),
             "Requests admitted and not finished (waiting plus running).", ["model"], registry=r)
         self.queue_depth = Gauge(
-            _check_name("prunewatch_queue_depth_limit"),
+            check_metric_name("prunewatch_queue_depth_limit"),
             "Configured admission limit; requests beyond it get 429.", ["model"], registry=r)
         self.prompt_tokens = Counter(
-            _check_name("prunewatch_prompt_tokens"), "Prompt tokens of served requests.", ["model"], registry=r)
+            check_metric_name("prunewatch_prompt_tokens"), "Prompt tokens of served requests.", ["model"], registry=r)
         self.completion_tokens = Counter(
-            _check_name("prunewatch_completion_tokens"), "Completion tokens generated.", ["model"], registry=r)
+            check_metric_name("prunewatch_completion_tokens"), "Completion tokens generated.", ["model"], registry=r)
         self.executed_flops = Counter(
-            _check_name("prunewatch_executed_flops"),
+            check_metric_name("prunewatch_executed_flops"),
             "Linear-layer FLOPs that really executed (the pruning ratio's numerator side).",
             ["model", "domain"], registry=r)
         self.dense_flops = Counter(
-            _check_name("prunewatch_dense_flops"),
+            check_metric_name("prunewatch_dense_flops"),
             "Linear-layer FLOPs the dense model would have executed for the same tokens.",
             ["model", "domain"], registry=r)
         self._in_queue = self.in_queue.labels(model)

@@ -20,20 +20,26 @@ from jinja2 import TemplateError
 
 from engine.errors import InvalidRequestError
 from engine.pruning_engine import PruningEngine, TokenDelta
-from engine.server.admission import AdmissionQueue, GenerationJob, QueueFullError, Slot
-from engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, error_body, invalid_request
-from engine.server.metrics import ServerMetrics
-from engine.server.pruning_headers import PruningRequest
-from engine.server.schemas import (
+from engine.settings import LogLevel
+from engine.stats import GenerationResult, RequestStats
+from server.admission import AdmissionQueue, GenerationJob, QueueFullError, Slot
+from server.errors import (
+    RATE_LIMIT,
+    SERVER_ERROR,
+    APIError,
+    error_body,
+    invalid_request,
+)
+from server.metrics import ServerMetrics
+from server.pruning_headers import PruningRequest
+from server.schemas import (
     BatchRequest,
     ChatCompletionRequest,
     CompletionRequest,
     PrunewatchStats,
     PruningOverrides,
 )
-from engine.server.settings import ServerSettings
-from engine.settings import LogLevel
-from engine.stats import GenerationResult, RequestStats
+from server.settings import ServerSettings
 
 logger = logging.getLogger("prunewatch.server")
 

@@ -18,15 +18,19 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.pruning_engine import PruningEngine
-from engine.server import pruning_headers as ph
-from engine.server.admission import AdmissionQueue
-from engine.server.auth import ApiKeyAuth
-from engine.server.completions import CompletionService, GenerationSpec
-from engine.server.errors import APIError, install_error_handlers
-from engine.server.metrics import ServerMetrics
-from engine.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
-from engine.server.redaction import install_log_redaction
-from engine.server.schemas import (
+from server import pruning_headers as ph
+from server.admission import AdmissionQueue
+from server.auth import ApiKeyAuth
+from server.completions import CompletionService, GenerationSpec
+from server.errors import APIError, install_error_handlers
+from server.metrics import ServerMetrics
+from server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    RequestMetricsMiddleware,
+)
+from server.redaction import install_log_redaction
+from server.schemas import (
     BatchRequest,
     BatchResponse,
     ChatCompletion,
@@ -38,7 +42,7 @@ from engine.server.schemas import (
     ModelCard,
     ModelList,
 )
-from engine.server.settings import ServerSettings
+from server.settings import ServerSettings
 
 logger = logging.getLogger("prunewatch.server")
 

@@ -20,10 +20,6 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.server.errors import APIError
-from engine.settings import LogLevel
-from engine.stats import RequestStats
-
 from engine.headers import (  # noqa: F401 - re-exported: the server's routes name them through this module
     BLACKLIST,
     INFERENCE_MS,
@@ -38,6 +34,9 @@ from engine.headers import (  # noqa: F401 - re-exported: the server's routes na
     SENSITIVITY,
     STATS,
 )
+from engine.settings import LogLevel
+from engine.stats import RequestStats
+from server.errors import APIError
 
 RESPONSE_HEADERS = (RATIO, STATS, REQUEST_ID, PREPROCESSING_MS, INFERENCE_MS, POSTPROCESSING_MS, QUALITY_MS, QUEUE_MS)
 REQUEST_HEADERS = (SENSITIVITY, LOG_LEVEL, BLACKLIST, QUALITY)

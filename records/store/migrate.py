@@ -16,7 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
-from collector.store.database import StoreUnavailableError, reason
+from records.store.database import StoreUnavailableError, reason
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 INITIAL_REVISION = "0001"

@@ -9,8 +9,14 @@ from typing import Iterable, Sequence
 from sqlalchemy import Insert, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from collector.results import ProbeResult
-from collector.store.models import ROUND_ABORTED, ROUND_COMPLETE, ROUND_RUNNING, ProbeResultRow, RoundRow
+from records.results import ProbeResult
+from records.store.models import (
+    ROUND_ABORTED,
+    ROUND_COMPLETE,
+    ROUND_RUNNING,
+    ProbeResultRow,
+    RoundRow,
+)
 
 _RESULT_FIELDS = [f.name for f in dataclasses.fields(ProbeResult)]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.pruning_engine import PruningEngine
-from engine.server.settings import ServerSettings
 from engine.settings import EngineSettings, LogLevel
+from server.settings import ServerSettings
 
 logger = logging.getLogger("prunewatch.server")
 
@@ -63,7 +63,7 @@ def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivit
     """
     import uvicorn
 
-    from engine.server.app import create_app
+    from server.app import create_app
 
     overrides: dict[str, object] = {"host": host, "port": port}
     if queue_depth is not None:

@@ -12,7 +12,7 @@ import hmac
 from collections.abc import Iterable
 from pathlib import Path
 
-from engine.server.settings import ServerSettings
+from server.settings import ServerSettings
 
 
 def _digest(key: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Alembic environment: migrate the connection the caller hands over (see collector/store/migrate.py).
+"""Alembic environment: migrate the connection the caller hands over (see records/store/migrate.py).
 
 The project runs migrations programmatically, never from an alembic.ini: the caller opens the
 connection (so URL handling, SQLite pragmas and errors are the store's own) and passes it in
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from collector.store.models import Base
+from records.store.models import Base
 
 target_metadata = Base.metadata
 

@@ -1,7 +1,7 @@
-"""Prometheus metrics of probe results, and the PromQL of the figures derived from them.
+"""Prometheus metric families of probe results: names, help, labels and buckets, defined once.
 
-The PromQL constants are the single source of truth: alert rules (alerts/) and dashboards
-(dashboards/) use these very expressions, and tests evaluate them against a real Prometheus.
+The PromQL of the figures derived from them lives next door in records/promql.py; the server's live
+traffic metrics (server/metrics.py) reuse these families so one query reads both.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable, Hashable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from collector.results import ProbeResult
+from records.results import ProbeResult
 
 LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
@@ -20,21 +20,8 @@ PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
 # timed-out one up to the target's timeout.
 PROBE_DURATION_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-# -- derived figures (PromQL) ---------------------------------------------------------------
-PROMQL_RATIO_AVG_24H = "avg by (model, domain) (avg_over_time(prunewatch_pruning_ratio[24h]))"
-PROMQL_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_pruning_ratio)"
-PROMQL_DECODE_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_decode_pruning_ratio)"
-PROMQL_PREFILL_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_prefill_pruning_ratio)"
-PROMQL_LATENCY_P99 = (
-    "histogram_quantile(0.99, sum by (le, model, domain) (rate(prunewatch_inference_latency_seconds_bucket[5m])))"
-)
-PROMQL_FAILURE_RATE = (
-    "sum by (model, domain) (rate(prunewatch_probe_failures_total[15m]))"
-    " / clamp_min(sum by (model, domain) (rate(prunewatch_probe_results_total[15m])), 1e-9)"
-)
-
-
-def _check_name(name: str) -> str:
+def check_metric_name(name: str) -> str:
+    """Fail at construction, not at scrape time, on a name Prometheus or our conventions reject."""
     if not re.fullmatch(r"prunewatch_[a-z0-9_]+", name):
         raise ValueError(f"metric name {name!r} must be snake_case and start with prunewatch_")
     return name
@@ -50,56 +37,56 @@ class CollectorMetrics:
         self._depth: Callable[[], float] | None = None
         r = self.registry
         self.pruning_ratio = Gauge(
-            _check_name("prunewatch_pruning_ratio"),
+            check_metric_name("prunewatch_pruning_ratio"),
             "Measured share of dense linear-layer FLOPs not executed, last probe (0..1).",
             ["model", "domain", "probe", "target"], registry=r)
         self.prefill_pruning_ratio = Gauge(
-            _check_name("prunewatch_prefill_pruning_ratio"),
+            check_metric_name("prunewatch_prefill_pruning_ratio"),
             "Measured pruning ratio of the prompt's forward pass alone, last probe (0..1).",
             ["model", "domain", "probe", "target"], registry=r)
         self.decode_pruning_ratio = Gauge(
-            _check_name("prunewatch_decode_pruning_ratio"),
+            check_metric_name("prunewatch_decode_pruning_ratio"),
             "Measured pruning ratio of the decode steps alone, last probe (0..1): where skipping saves time.",
             ["model", "domain", "probe", "target"], registry=r)
         self.inference_latency = Histogram(
-            _check_name("prunewatch_inference_latency_seconds"),
+            check_metric_name("prunewatch_inference_latency_seconds"),
             "Prefill + decode wall time of a probe.", ["model", "domain", "target"], buckets=LATENCY_BUCKETS, registry=r)
         self.tokens_per_second = Gauge(
-            _check_name("prunewatch_tokens_per_second"),
+            check_metric_name("prunewatch_tokens_per_second"),
             "Completion tokens / inference time of the last probe.", ["model", "domain", "target"], registry=r)
         self.probe_failures = Counter(
-            _check_name("prunewatch_probe_failures"),
+            check_metric_name("prunewatch_probe_failures"),
             "Probes that failed, by reason.", ["model", "domain", "reason", "target"], registry=r)
         self.probe_results = Counter(
-            _check_name("prunewatch_probe_results"),
+            check_metric_name("prunewatch_probe_results"),
             "Probe results recorded, by status.", ["model", "domain", "status", "target"], registry=r)
         self.preprocessing = Histogram(
-            _check_name("prunewatch_preprocessing_latency_seconds"),
+            check_metric_name("prunewatch_preprocessing_latency_seconds"),
             "Tokenize + plan time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
         self.postprocessing = Histogram(
-            _check_name("prunewatch_postprocessing_latency_seconds"),
+            check_metric_name("prunewatch_postprocessing_latency_seconds"),
             "Detokenize + stats time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS,
             registry=r)
         self.quality_check = Histogram(
-            _check_name("prunewatch_quality_check_latency_seconds"),
+            check_metric_name("prunewatch_quality_check_latency_seconds"),
             "Dense re-run + teacher-forced scoring time of a probe's quality check.", ["model", "domain", "target"],
             buckets=PROBE_DURATION_BUCKETS, registry=r)
         self.ttft = Histogram(
-            _check_name("prunewatch_time_to_first_token_seconds"),
+            check_metric_name("prunewatch_time_to_first_token_seconds"),
             "Request start to first generated token.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
         self.token_agreement = Gauge(
-            _check_name("prunewatch_token_agreement"),
+            check_metric_name("prunewatch_token_agreement"),
             "Teacher-forced argmax agreement of the pruned model with the dense model, last probe.",
             ["model", "domain", "probe", "target"], registry=r)
         self.dram_bytes_per_instruction = Gauge(
-            _check_name("prunewatch_dram_bytes_per_instruction"),
+            check_metric_name("prunewatch_dram_bytes_per_instruction"),
             "DRAM bytes per instruction; source=ncu (measured) or estimate (model-level).",
             ["model", "domain", "source", "target"], registry=r)
         self.last_success = Gauge(
-            _check_name("prunewatch_last_success_timestamp_seconds"),
+            check_metric_name("prunewatch_last_success_timestamp_seconds"),
             "Unix time of the last successful probe per target.", ["model", "target"], registry=r)
         self.probe_duration = Histogram(
-            _check_name("prunewatch_probe_duration_seconds"),
+            check_metric_name("prunewatch_probe_duration_seconds"),
             "Wall time of a whole probe as the collector measured it (any target, baselines included).",
             ["model", "target", "status"], buckets=PROBE_DURATION_BUCKETS, registry=r)
         self.buffer_depth: Gauge | None = None
@@ -113,16 +100,16 @@ class CollectorMetrics:
         does not show a buffer it does not have.
         """
         r = self.registry
-        gauge = Gauge(_check_name("prunewatch_collector_buffer_depth"),
+        gauge = Gauge(check_metric_name("prunewatch_collector_buffer_depth"),
                       "Records (results and round markers) waiting in the on-disk buffer for the store.", registry=r)
         gauge.set_function(depth)
         self._depth = depth
         self.buffer_depth = gauge
         self.buffer_dropped = Counter(
-            _check_name("prunewatch_collector_buffer_dropped"),
+            check_metric_name("prunewatch_collector_buffer_dropped"),
             "Results dropped because the on-disk buffer was full (oldest first).", registry=r)
         self.store_write_errors = Counter(
-            _check_name("prunewatch_collector_store_write_errors"),
+            check_metric_name("prunewatch_collector_store_write_errors"),
             "Failed attempts to write buffered records to the store (each is retried with backoff).",
             ["kind"], registry=r)
 

@@ -14,9 +14,9 @@ from sqlalchemy import Engine, delete, exists, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from collector.results import utcnow
-from collector.store.database import StoreUnavailableError, reason
-from collector.store.models import ProbeResultRow, RoundRow
+from records.results import utcnow
+from records.store.database import StoreUnavailableError, reason
+from records.store.models import ProbeResultRow, RoundRow
 
 _UNITS = {"m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 _DURATION = re.compile(r"^\s*(\d+)\s*([mhdw])\s*$")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import typer
 
-from collector.store.database import safe_url
 from prunewatch.cli_errors import fail, first_validation_error
+from records.store.database import safe_url
 
 DB_ENV = "PRUNEWATCH_COLLECTOR_DB_URL"
 DEFAULT_DB = "sqlite:///prunewatch.db"
@@ -47,10 +47,10 @@ def collect_command(
     from collector.exposition import MetricsPortError
     from collector.fleet import FleetSettings, build_jobs, run_collector
     from collector.spool import SpoolError
-    from collector.store import StoreUnavailableError, connect
     from collector.target_config import TargetConfigError, load_targets
     from engine.errors import EngineError
     from probes import ProbeFileError, load_probes
+    from records.store import StoreUnavailableError, connect
 
     configure_logging(verbose)
     try:
@@ -87,8 +87,8 @@ def db_upgrade_command(
     revision: str = typer.Option("head", "--revision", help="Target revision (default: the newest)."),
 ) -> None:
     """Create or migrate the store's schema (Alembic)."""
-    from collector.store import StoreUnavailableError, connect
-    from collector.store.migrate import upgrade
+    from records.store import StoreUnavailableError, connect
+    from records.store.migrate import upgrade
 
     try:
         engine = connect(db)
@@ -108,9 +108,9 @@ def db_prune_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
 ) -> None:
     """Retention: delete probe results (and emptied rounds) older than the given age."""
-    from collector.store import StoreUnavailableError, connect
-    from collector.store.migrate import is_current
-    from collector.store.retention import parse_age, prune_older_than
+    from records.store import StoreUnavailableError, connect
+    from records.store.migrate import is_current
+    from records.store.retention import parse_age, prune_older_than
 
     try:
         age = parse_age(older_than)

@@ -1,9 +1,0 @@
-"""Durable history of probe results (SQLAlchemy 2.x: SQLite by default, PostgreSQL in production)."""
-
-from collector.store.database import StoreUnavailableError, connect, connect_without_writing, safe_url
-from collector.store.migrate import create_schema, head_revision, upgrade
-from collector.store.repository import ResultRepository
-from collector.store.retention import parse_age, prune_older_than
-
-__all__ = ["ResultRepository", "StoreUnavailableError", "connect", "connect_without_writing", "create_schema",
-           "head_revision", "parse_age", "prune_older_than", "upgrade", "safe_url"]

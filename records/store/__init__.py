@@ -1,0 +1,14 @@
+"""Durable history of probe results (SQLAlchemy 2.x: SQLite by default, PostgreSQL in production)."""
+
+from records.store.database import (
+           StoreUnavailableError,
+           connect,
+           connect_without_writing,
+           safe_url,
+)
+from records.store.migrate import create_schema, head_revision, upgrade
+from records.store.repository import ResultRepository
+from records.store.retention import parse_age, prune_older_than
+
+__all__ = ["ResultRepository", "StoreUnavailableError", "connect", "connect_without_writing", "create_schema",
+           "head_revision", "parse_age", "prune_older_than", "upgrade", "safe_url"]
