@@ -32,6 +32,9 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY pyproject.toml README.md ./
 COPY prunewatch ./prunewatch
 COPY engine ./engine
+COPY records ./records
+COPY server ./server
+COPY services ./services
 COPY collector ./collector
 COPY probes ./probes
 COPY alerts ./alerts

@@ -34,6 +34,7 @@ from collector.targets import InProcessTarget, Target
 from probes import DEFAULT_PROBES_PATH, ProbeFileError, ProbeSet
 from records.metrics import CollectorMetrics
 from records.store import StoreUnavailableError, connect
+from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 from records.store.migrate import upgrade
 
 logger = logging.getLogger("prunewatch.collector")
@@ -42,10 +43,10 @@ logger = logging.getLogger("prunewatch.collector")
 class FleetSettings(BaseSettings):
     """How the production collector stores, buffers and exposes what it measures."""
 
-    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_COLLECTOR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_COLLECTOR_", extra="ignore", populate_by_name=True)
 
-    db_url: str = Field("sqlite:///prunewatch.db",
-                        description="SQLAlchemy URL; postgresql+psycopg://... in production.")
+    db_url: str = Field(DEFAULT_STORE_URL, validation_alias=STORE_URL_ENV,
+                        description="SQLAlchemy URL; postgresql+psycopg://... in production (PRUNEWATCH_DB_URL).")
     buffer_path: Path = Field(Path("prunewatch-buffer.sqlite"),
                               description="On-disk buffer of records not yet in the store; survives restarts.")
     buffer_max_results: int = Field(100_000, ge=1, le=100_000_000,
@@ -85,9 +86,12 @@ class FleetSettings(BaseSettings):
         return make_url(self.db_url).render_as_string(hide_password=True)
 
     def with_file(self, config: CollectorConfig, **explicit) -> "FleetSettings":
-        """Values from the config file's `collector:` section, under flags the user passed explicitly."""
+        """These settings (from the environment) over the config file's `collector:` section, under the
+        flags the user passed explicitly: flag > environment > file > default."""
         section = {k: v for k, v in config.collector.model_dump().items() if v is not None}
-        return FleetSettings(**{**section, **{k: v for k, v in explicit.items() if v is not None}})
+        from_environment = {name: getattr(self, name) for name in self.model_fields_set}
+        flags = {k: v for k, v in explicit.items() if v is not None}
+        return FleetSettings(**{**section, **from_environment, **flags})
 
 
 @dataclass
@@ -126,8 +130,10 @@ def build_target(spec: ResolvedTarget, probe_set: ProbeSet, *, calibration_dir: 
 
 
 def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir: Path | None = None,
-               only: Sequence[str] | None = None) -> list[TargetJob]:
-    """Every configured target (or those named in `only`) with its schedule and probe subset."""
+               only: Sequence[str] | None = None, interval_s: float | None = None) -> list[TargetJob]:
+    """Every configured target (or those named in `only`) with its schedule and probe subset.
+
+    `interval_s` (a flag or PRUNEWATCH_INTERVAL_S) replaces every target's interval from the file."""
     engines: dict = {}
     jobs = []
     specs = [config.target(name) for name in only] if only else config.targets
@@ -137,7 +143,7 @@ def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir:
         except ProbeFileError as exc:
             raise TargetConfigError(f"{config.source}: target {spec.name}: domains: {exc}") from None
         jobs.append(TargetJob(build_target(spec, probe_set, calibration_dir=calibration_dir, engines=engines),
-                              subset, interval_s=spec.interval_s, timeout_s=spec.timeout_s, jitter_s=spec.jitter_s,
+                              subset, interval_s=interval_s or spec.interval_s, timeout_s=spec.timeout_s, jitter_s=spec.jitter_s,
                               first_delay_s=random.uniform(0.0, spec.jitter_s)))  # spread first rounds too
     return jobs
 

@@ -9,14 +9,19 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.model_store import PROBE_MODEL_DIR
 from probes import DEFAULT_PROBES_PATH
+from records.settings import DEFAULT_STORE_URL
+
+ENV_PREFIX = "PRUNEWATCH_"
+INTERVAL_ENV = f"{ENV_PREFIX}INTERVAL_S"
+"""The one environment variable of the probe interval: `run`, `collect` and `stack up` read it."""
 
 
 class CollectorSettings(BaseSettings):
     """How the embedded collector runs: what it probes, how often, where results go."""
 
-    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    db_url: str = Field("sqlite:///prunewatch.db", description="Any SQLAlchemy URL; SQLite file by default.")
+    db_url: str = Field(DEFAULT_STORE_URL, description="Any SQLAlchemy URL (PRUNEWATCH_DB_URL); SQLite file by default.")
     interval_s: float = Field(30.0, ge=1.0, le=86_400.0, description="Seconds between probe rounds.")
     rounds: int | None = Field(None, ge=1, description="Stop after this many rounds; None runs until stopped.")
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds to.")

@@ -1,7 +1,7 @@
 """Streamlit ROI calculator over the result store; started by `prunewatch roi` (`streamlit run roi/app.py`).
 
 Every number comes from the pure core (roi.calculator, roi.analysis, roi.tables), so the app,
-its CSV and the CFO report agree. The store URL comes from PRUNEWATCH_ROI_DB_URL or from
+its CSV and the CFO report agree. The store URL comes from PRUNEWATCH_DB_URL or from
 `-- --db URL` after the script path; PRUNEWATCH_ROI_PASSWORD, when set, locks the app.
 """
 
@@ -52,7 +52,7 @@ _FORMATS = {"requests_per_day": "%.0f", "implementation_cost_usd": "%.0f", "inci
 
 
 def app_settings(argv: list[str]) -> RoiAppSettings:
-    """Settings from the environment; `--db URL` after the script path wins over PRUNEWATCH_ROI_DB_URL."""
+    """Settings from the environment; `--db URL` after the script path wins over PRUNEWATCH_DB_URL."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--db")
     known, _ = parser.parse_known_args(argv)

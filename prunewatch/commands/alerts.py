@@ -15,6 +15,7 @@ from rich.table import Table
 
 from alerts.settings import ALERTMANAGER_PATH, RULES_PATH
 from prunewatch.cli_errors import fail, first_validation_error
+from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 def render_rules_command(
@@ -75,7 +76,7 @@ def check_command(
 
 
 def eval_command(
-    db: str = typer.Option("sqlite:///prunewatch.db", "--db", help="SQLAlchemy URL of the result store."),
+    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store."),
     rules: Path = typer.Option(RULES_PATH, "--rules", help="Rule file to evaluate."),
     at: str = typer.Option(None, "--at", help="Evaluation time, ISO 8601 (default: now, UTC)."),
 ) -> None:
@@ -83,7 +84,7 @@ def eval_command(
     from alerts.embedded import EmbeddedAlerting
     from alerts.ruleset import RuleFileError
     from alerts.settings import AlertingSettings
-    from records.store import StoreUnavailableError, connect
+    from records.store import StoreUnavailableError, connect, safe_url
 
     try:
         when = datetime.fromisoformat(at) if at else datetime.now(timezone.utc)
@@ -102,6 +103,7 @@ def eval_command(
         raise fail(str(exc))
     finally:
         engine.dispose()
+    typer.echo(f"store {safe_url(db)}")
     table = Table(title=f"alerts at {when.isoformat()} (one evaluation: holds longer than 0s show as pending)")
     for column in ("rule", "labels", "value (from the rule's expression)", "state"):
         table.add_column(column)

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import typer
 
+from collector.settings import INTERVAL_ENV
 from prunewatch.cli_errors import fail, first_validation_error
+from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 from records.store.database import safe_url
-
-DB_ENV = "PRUNEWATCH_COLLECTOR_DB_URL"
-DEFAULT_DB = "sqlite:///prunewatch.db"
 
 
 def configure_logging(verbose: bool) -> None:
@@ -32,7 +31,9 @@ def configure_logging(verbose: bool) -> None:
 
 def collect_command(
     config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
-    db: str = typer.Option(None, "--db", envvar=DB_ENV, help="SQLAlchemy URL of the store (overrides the file)."),
+    db: str = typer.Option(None, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store (overrides the file)."),
+    interval: float = typer.Option(None, "--interval", envvar=INTERVAL_ENV, min=1.0, max=86_400.0,
+                                   help="Seconds between rounds of every target (overrides the file)."),
     buffer: Path = typer.Option(None, "--buffer", help="On-disk buffer file (default prunewatch-buffer.sqlite)."),
     rounds: int = typer.Option(None, "--rounds", min=1, help="Stop after N rounds per target (default: run on)."),
     metrics_port: int = typer.Option(None, "--metrics-port", help="Port of /metrics (0 disables; default 9464)."),
@@ -60,7 +61,8 @@ def collect_command(
                                              pushgateway_url=pushgateway)
         connect(settings.db_url, check=False).dispose()  # the URL is usable (the server may still be down)
         probe_set = load_probes(settings.probes_path)
-        jobs = build_jobs(parsed, probe_set, calibration_dir=settings.calibration_dir, only=target or None)
+        jobs = build_jobs(parsed, probe_set, calibration_dir=settings.calibration_dir, only=target or None,
+                          interval_s=interval)
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
     except (TargetConfigError, ProbeFileError, EngineError, StoreUnavailableError, ValueError) as exc:
@@ -83,7 +85,7 @@ def collect_command(
 
 
 def db_upgrade_command(
-    db: str = typer.Option(DEFAULT_DB, "--db", envvar=DB_ENV, help="SQLAlchemy URL of the store."),
+    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
     revision: str = typer.Option("head", "--revision", help="Target revision (default: the newest)."),
 ) -> None:
     """Create or migrate the store's schema (Alembic)."""
@@ -104,7 +106,7 @@ def db_upgrade_command(
 
 def db_prune_command(
     older_than: str = typer.Option(..., "--older-than", help="Delete results older than this: 90d, 12h, 2w, 30m."),
-    db: str = typer.Option(DEFAULT_DB, "--db", envvar=DB_ENV, help="SQLAlchemy URL of the store."),
+    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
 ) -> None:
     """Retention: delete probe results (and emptied rounds) older than the given age."""
@@ -126,7 +128,7 @@ def db_prune_command(
     engine.dispose()
     verb = "would delete" if report.dry_run else "deleted"
     typer.echo(f"{verb} {report.results_deleted} result(s) and {report.rounds_deleted} round(s) older than "
-               f"{report.cutoff.isoformat(timespec='seconds')} from {safe_url(db)}")
+               f"{report.cutoff.isoformat(timespec='seconds')} from store {safe_url(db)}")
 
 
 def _grid(text: str) -> tuple[float, ...]:
@@ -187,7 +189,7 @@ def tune_command(
 def doctor_command(
     target: str = typer.Option(..., "--target", "-t", help="Name of the target in the config file."),
     config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
-    db: str = typer.Option(None, "--db", envvar=DB_ENV, help="Store URL (default: the file's, else sqlite)."),
+    db: str = typer.Option(None, "--db", envvar=STORE_URL_ENV, help="Store URL (default: the file's, else sqlite)."),
     metrics_url: str = typer.Option(None, "--metrics-url",
                                     help="The collector's /metrics (default from the file's metrics_host/port)."),
 ) -> None:
@@ -207,7 +209,7 @@ def doctor_command(
     section = parsed.collector
     if metrics_url is None and section.metrics_port != 0:
         metrics_url = f"http://{section.metrics_host or '127.0.0.1'}:{section.metrics_port or 9464}/metrics"
-    checks = run_doctor(spec, probe_set, db_url=db or section.db_url or DEFAULT_DB, collector_metrics_url=metrics_url,
+    checks = run_doctor(spec, probe_set, db_url=db or section.db_url or DEFAULT_STORE_URL, collector_metrics_url=metrics_url,
                         calibration_dir=FleetSettings().calibration_dir)
     typer.echo(f"prunewatch doctor: target {spec.name} ({spec.kind}"
                + (f", {spec.base_url}" if spec.base_url else "") + ")")

@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 from prunewatch.cli_errors import fail
+from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 
@@ -25,7 +26,7 @@ def app_path() -> Path:
 
 
 def roi_command(
-    db: str = typer.Option("sqlite:///prunewatch.db", envvar="PRUNEWATCH_ROI_DB_URL", help="SQLAlchemy URL of the result store (or PRUNEWATCH_ROI_DB_URL, which keeps a password off the command line)."),
+    db: str = typer.Option(DEFAULT_STORE_URL, envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store (or PRUNEWATCH_DB_URL, which keeps a password off the command line)."),
     host: str = typer.Option("127.0.0.1", help="Address the app listens on."),
     port: int = typer.Option(8501, min=1, max=65535, help="Port the app listens on."),
     days: int = typer.Option(30, help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days)."),
@@ -34,7 +35,6 @@ def roi_command(
     from records.store import safe_url
     from roi.errors import RoiStoreError
     from roi.settings import (
-        DB_URL_ENV,
         DEFAULT_DAYS_ENV,
         PASSWORD_ENV,
         WINDOW_CHOICES_DAYS,
@@ -47,7 +47,7 @@ def roi_command(
         check_store(db)
     except RoiStoreError as exc:
         raise fail(str(exc))
-    env = {**os.environ, DB_URL_ENV: db, DEFAULT_DAYS_ENV: str(days)}
+    env = {**os.environ, STORE_URL_ENV: db, DEFAULT_DAYS_ENV: str(days)}
     lock = "password required" if os.environ.get(PASSWORD_ENV) else f"no password (set {PASSWORD_ENV} to require one)"
     typer.echo(f"ROI app on http://{host}:{port} for store {safe_url(db)}; {lock}; Ctrl-C stops it")
     sys.stdout.flush()
@@ -58,7 +58,7 @@ def roi_command(
 
 def report_command(
     days: int = typer.Option(30, help="Measurement window in days: 30, 60 or 90."),
-    db: str = typer.Option("sqlite:///prunewatch.db", help="SQLAlchemy URL of the result store."),
+    db: str = typer.Option(DEFAULT_STORE_URL, envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store."),
     out: Path = typer.Option(Path("report.pdf"), help="PDF to write."),
     html: Path = typer.Option(None, help="HTML variant to write (default: next to the PDF, .html)."),
     target: str = typer.Option(None, help="Only this target (default: every target in the store)."),
@@ -72,6 +72,7 @@ def report_command(
     from roi.formatting import payback_text, usd
     from roi.report import REPORT_DAYS
     from roi.report_files import generate_report
+    from records.store import safe_url
 
     if days not in REPORT_DAYS:
         raise fail(f"--days must be one of {', '.join(map(str, REPORT_DAYS))}, got {days}")
@@ -84,7 +85,7 @@ def report_command(
         chosen = Assumptions.from_file(assumptions) if assumptions else Assumptions()
         data = generate_report(db, days, out, html_path, chosen, target=target, model=model)
     except RoiError as exc:
-        raise fail(str(exc))
+        raise fail(f"store {safe_url(db)}: {exc}")
     except OSError as exc:
         raise fail(f"cannot write the report: {exc}")
     costs = data.result.costs(Basis.ALLOCATION)

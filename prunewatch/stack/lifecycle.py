@@ -20,6 +20,7 @@ from pathlib import Path
 from prunewatch.stack import configs
 from prunewatch.stack.settings import StackSettings
 from prunewatch.stack.state import Service, StackState, StateError
+from records.settings import STORE_URL_ENV
 from services import (
     ALERTMANAGER_BINARIES,
     PROMETHEUS_BINARIES,
@@ -211,7 +212,7 @@ def _start(settings: StackSettings, state: StackState, say: Callable[[str], None
                         "--port", str(ports["roi"])], url("roi"))
     for name in names[1:]:
         wait_for_http(start_engine(name), url(name) + "/health", settings.start_timeout_s)
-    collector_env = _child_env(PRUNEWATCH_COLLECTOR_DB_URL=postgres.url,
+    collector_env = _child_env(**{STORE_URL_ENV: postgres.url},
                                **{configs.TARGET_KEY_ENV: files.key_file.read_text().strip()})
     collector = start("collector", [python, "-m", "prunewatch.stack.runners", "collect", "--config",
                                     str(files.targets_yml)], url("collector") + "/metrics", env=collector_env)

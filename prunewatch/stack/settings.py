@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.model_store import PROBE_MODEL_DIR
+from collector.settings import INTERVAL_ENV
 from probes import DEFAULT_PROBES_PATH
 
 DEFAULT_STATE_DIR = Path(".prunewatch") / "stack"
@@ -19,7 +20,7 @@ DEFAULT_STATE_DIR = Path(".prunewatch") / "stack"
 class StackSettings(BaseSettings):
     """The local stack: the docker-compose topology as processes on 127.0.0.1, without Docker."""
 
-    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_STACK_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_STACK_", extra="ignore", populate_by_name=True)
 
     state_dir: Path = Field(
         DEFAULT_STATE_DIR,
@@ -32,7 +33,8 @@ class StackSettings(BaseSettings):
         "cpu", description="Engine device. cpu by default: two engines on one GPU would share its memory.")
     sensitivity: float = Field(0.5, ge=0.0, le=1.0, description="Pruning sensitivity the collector asks for.")
     probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Probes the collector sends to every engine.")
-    interval_s: float = Field(30.0, ge=1.0, le=86_400.0, description="Seconds between probe rounds per engine.")
+    interval_s: float = Field(30.0, ge=1.0, le=86_400.0, validation_alias=INTERVAL_ENV,
+                              description="Seconds between probe rounds per engine (PRUNEWATCH_INTERVAL_S).")
     probe_timeout_s: float = Field(120.0, gt=0.0, le=3600.0, description="A probe running longer is a timeout failure.")
     scrape_interval_s: int = Field(
         15, ge=1, le=300,

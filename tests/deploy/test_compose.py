@@ -296,8 +296,8 @@ def test_collector_targets_point_at_the_engine_service(compose, monkeypatch):
     assert (config.collector.metrics_host, config.collector.metrics_port) == ("0.0.0.0", CONTAINER_PORTS["collector"])
     assert str(config.collector.buffer_path).startswith(STATEFUL["collector"] + "/")
     store_url = "postgresql+psycopg://prunewatch:test-prunewatch_postgres_password@postgres:5432/prunewatch"
-    assert collector["environment"]["PRUNEWATCH_COLLECTOR_DB_URL"] == store_url
-    assert compose["services"]["migrate"]["environment"]["PRUNEWATCH_COLLECTOR_DB_URL"] == store_url
+    assert collector["environment"]["PRUNEWATCH_DB_URL"] == store_url
+    assert compose["services"]["migrate"]["environment"]["PRUNEWATCH_DB_URL"] == store_url
     roi = compose["services"]["roi"]["command"]
     assert roi[roi.index("--db") + 1] == store_url
 

@@ -11,7 +11,8 @@ from records.store import connect, create_schema
 from roi import Assumptions, Basis, calculate
 from roi.app import current_window
 from roi.measured import PROBE_MODEL_CAVEAT
-from roi.settings import DB_URL_ENV, PASSWORD_ENV
+from records.settings import STORE_URL_ENV as DB_URL_ENV
+from roi.settings import PASSWORD_ENV
 from roi.store import load_results
 from roi.tables import headlines
 
