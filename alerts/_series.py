@@ -1,9 +1,9 @@
 """The collector's metrics rebuilt as time series from stored probe results.
 
 Each stored result is what `CollectorMetrics.record` saw, at its `created_at`: gauges become one
-sample per result, counters and histograms become events (an increment at that instant). This
-mirrors records/metrics.py family by family; a test replays real results through both and
-compares, so the two cannot drift apart.
+sample per result, counters and histograms become events (an increment at that instant). The
+families, their labels and values are records/metrics.py's RESULT_FAMILIES, read here, not
+restated; a test replays real results through both and compares.
 
 What Prometheus would add on top (scrape timestamps, job/instance labels, counter resets) does
 not exist here; a metric that is not derived from probe results (the collector's buffer depth, the
@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from prometheus_client.utils import floatToGoString
 
-from records.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, PROBE_DURATION_BUCKETS
+from records.metrics import RESULT_FAMILIES, ResultFamily
 from records.results import ProbeResult
 
 Labels = tuple[tuple[str, str], ...]
@@ -81,64 +81,12 @@ class CounterSeries:
         return lo < len(self.times) and self.times[lo] <= end
 
 
-@dataclass(frozen=True)
-class _GaugeSpec:
-    labels: Callable[[ProbeResult], dict[str, str]]
-    value: Callable[[ProbeResult], float | None]
-    ok_only: bool = True
-
-
-@dataclass(frozen=True)
-class _HistogramSpec:
-    labels: Callable[[ProbeResult], dict[str, str]]
-    seconds: Callable[[ProbeResult], float | None]
-    buckets: tuple[float, ...]
-    ok_only: bool = True
-
-
-def _md(r: ProbeResult) -> dict[str, str]:
-    return {"model": r.model, "domain": r.domain, "target": r.target}
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else value / 1000.0
-
-
-GAUGES: dict[str, _GaugeSpec] = {
-    "prunewatch_pruning_ratio": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id}, lambda r: r.pruning_ratio),
-    "prunewatch_prefill_pruning_ratio": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id},
-                                                   lambda r: r.prefill_pruning_ratio),
-    "prunewatch_decode_pruning_ratio": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id},
-                                                  lambda r: r.decode_pruning_ratio),
-    "prunewatch_token_agreement": _GaugeSpec(lambda r: {**_md(r), "probe": r.probe_id}, lambda r: r.token_agreement),
-    "prunewatch_tokens_per_second": _GaugeSpec(_md, lambda r: r.tokens_per_s),
-    "prunewatch_dram_bytes_per_instruction": _GaugeSpec(
-        lambda r: {**_md(r), "source": r.dram_source or "estimate"}, lambda r: r.dram_bytes_per_instruction),
-    "prunewatch_last_success_timestamp_seconds": _GaugeSpec(
-        lambda r: {"model": r.model, "target": r.target}, lambda r: r.created_at.timestamp()),
-}
-"""Gauge families of CollectorMetrics: the value each successful result sets."""
-
-HISTOGRAMS: dict[str, _HistogramSpec] = {
-    "prunewatch_inference_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.inference_ms), LATENCY_BUCKETS),
-    "prunewatch_preprocessing_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.preprocessing_ms), PHASE_BUCKETS),
-    "prunewatch_postprocessing_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.postprocessing_ms),
-                                                                PHASE_BUCKETS),
-    "prunewatch_quality_check_latency_seconds": _HistogramSpec(_md, lambda r: _ms(r.quality_ms),
-                                                               PROBE_DURATION_BUCKETS),
-    "prunewatch_time_to_first_token_seconds": _HistogramSpec(_md, lambda r: _ms(r.ttft_ms), PHASE_BUCKETS),
-    "prunewatch_probe_duration_seconds": _HistogramSpec(
-        lambda r: {"model": r.model, "target": r.target, "status": r.status}, lambda r: _ms(r.duration_ms),
-        PROBE_DURATION_BUCKETS, ok_only=False),
-}
-"""Histogram families of CollectorMetrics: the observation each result makes, in seconds."""
-
-COUNTERS: dict[str, Callable[[ProbeResult], dict[str, str] | None]] = {
-    "prunewatch_probe_results_total": lambda r: {**_md(r), "status": r.status},
-    "prunewatch_probe_failures_total":
-        lambda r: None if r.ok else {**_md(r), "reason": r.failure_reason or "exception"},
-}
-"""Counter families of CollectorMetrics (exposed names): the labels a result increments, or None."""
+GAUGES: dict[str, ResultFamily] = {f.exposed: f for f in RESULT_FAMILIES if f.kind == "gauge"}
+"""Gauge families of CollectorMetrics by exposed name: the value each result sets."""
+HISTOGRAMS: dict[str, ResultFamily] = {f.exposed: f for f in RESULT_FAMILIES if f.kind == "histogram"}
+"""Histogram families of CollectorMetrics by exposed name: the observation each result makes, in seconds."""
+COUNTERS: dict[str, ResultFamily] = {f.exposed: f for f in RESULT_FAMILIES if f.kind == "counter"}
+"""Counter families of CollectorMetrics by exposed name (`_total`): the increment each result makes."""
 
 
 def counter_names() -> set[str]:
@@ -146,6 +94,10 @@ def counter_names() -> set[str]:
     for family in HISTOGRAMS:
         names.update({f"{family}_bucket", f"{family}_count", f"{family}_sum"})
     return names
+
+
+def _labels(family: ResultFamily) -> Callable[[ProbeResult], dict[str, str]]:
+    return lambda r: dict(zip(family.labels, family.label_values(r)))
 
 
 class StoreSeries:
@@ -175,7 +127,7 @@ class StoreSeries:
                 value = spec.value(r)
                 if value is None:
                     continue
-                key = tuple(spec.labels(r).items())
+                key = tuple(zip(spec.labels, spec.label_values(r)))
                 entry = groups.get(key)
                 if entry is None:
                     entry = groups[key] = GaugeSeries(labels_of(**{NAME: metric}, **dict(key)))
@@ -214,11 +166,12 @@ class StoreSeries:
             return CounterSeries(labels_of(**{NAME: metric}, **labels), times, increments)
 
         if metric in COUNTERS:
-            groups = self._observations(COUNTERS[metric], lambda r: 1.0, ok_only=False)
+            spec = COUNTERS[metric]
+            groups = self._observations(_labels(spec), spec.value, spec.ok_only)
             return [series(dict(key), times, values) for key, (times, values) in groups.items()]
         family, _, suffix = metric.rpartition("_")
         spec = HISTOGRAMS[family]
-        groups = self._observations(spec.labels, spec.seconds, spec.ok_only)
+        groups = self._observations(_labels(spec), spec.value, spec.ok_only)
         out: list[CounterSeries] = []
         for key, (times, values) in groups.items():
             labels = dict(key)

@@ -1,14 +1,17 @@
-"""Prometheus metric families of probe results: names, help, labels and buckets, defined once.
+"""Prometheus metric families of probe results: names, help, labels, buckets and the value each
+result sets, declared once in RESULT_FAMILIES.
 
-The PromQL of the figures derived from them lives next door in records/promql.py; the server's live
-traffic metrics (server/metrics.py) reuse these families so one query reads both.
+CollectorMetrics turns that table into prometheus_client families; alerts/_series.py rebuilds the same
+series from stored results by reading the same table; the server's live-traffic metrics record the
+same families. The PromQL of the figures derived from them lives next door in records/promql.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from typing import Callable, Hashable
+from dataclasses import dataclass
+from typing import Callable, Hashable, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -20,6 +23,7 @@ PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
 # timed-out one up to the target's timeout.
 PROBE_DURATION_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
+
 def check_metric_name(name: str) -> str:
     """Fail at construction, not at scrape time, on a name Prometheus or our conventions reject."""
     if not re.fullmatch(r"prunewatch_[a-z0-9_]+", name):
@@ -27,68 +31,101 @@ def check_metric_name(name: str) -> str:
     return name
 
 
+LABEL_VALUES: dict[str, Callable[[ProbeResult], str]] = {
+    "model": lambda r: r.model,
+    "domain": lambda r: r.domain,
+    "target": lambda r: r.target,
+    "probe": lambda r: r.probe_id,
+    "status": lambda r: r.status,
+    "reason": lambda r: r.failure_reason or "exception",
+    "source": lambda r: r.dram_source or "estimate",
+}
+"""Label name -> its value for one result: every family spells a label the same way."""
+
+
+def _seconds(milliseconds: float | None) -> float | None:
+    return None if milliseconds is None else milliseconds / 1000.0
+
+
+@dataclass(frozen=True)
+class ResultFamily:
+    """One metric family fed by probe results: what it is called and what each result does to it."""
+
+    name: str  # as registered; a counter is exposed with `_total` appended
+    kind: Literal["gauge", "counter", "histogram"]
+    documentation: str
+    labels: tuple[str, ...]
+    value: Callable[[ProbeResult], float | None]  # the gauge value / counter increment / observation; None: nothing
+    buckets: tuple[float, ...] = ()
+    ok_only: bool = True  # failed results leave the family alone
+    per_probe: bool = False  # bookkeeping of the prober (results, failures, wall time, last success): no live traffic
+
+    @property
+    def exposed(self) -> str:
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+    def label_values(self, result: ProbeResult) -> tuple[str, ...]:
+        return tuple(LABEL_VALUES[label](result) for label in self.labels)
+
+
+_PROBE = ("model", "domain", "probe", "target")
+_DOMAIN = ("model", "domain", "target")
+
+RESULT_FAMILIES: tuple[ResultFamily, ...] = (
+    ResultFamily("prunewatch_pruning_ratio", "gauge",
+                 "Measured share of dense linear-layer FLOPs not executed, last probe (0..1).",
+                 _PROBE, lambda r: r.pruning_ratio),  # absent (a baseline server) is not zero
+    ResultFamily("prunewatch_prefill_pruning_ratio", "gauge",
+                 "Measured pruning ratio of the prompt's forward pass alone, last probe (0..1).",
+                 _PROBE, lambda r: r.prefill_pruning_ratio),
+    ResultFamily("prunewatch_decode_pruning_ratio", "gauge",
+                 "Measured pruning ratio of the decode steps alone, last probe (0..1): where skipping saves time.",
+                 _PROBE, lambda r: r.decode_pruning_ratio),
+    ResultFamily("prunewatch_inference_latency_seconds", "histogram", "Prefill + decode wall time of a probe.",
+                 _DOMAIN, lambda r: _seconds(r.inference_ms), LATENCY_BUCKETS),
+    ResultFamily("prunewatch_tokens_per_second", "gauge", "Completion tokens / inference time of the last probe.",
+                 _DOMAIN, lambda r: r.tokens_per_s),
+    ResultFamily("prunewatch_probe_failures", "counter", "Probes that failed, by reason.",
+                 ("model", "domain", "reason", "target"), lambda r: None if r.ok else 1.0,
+                 ok_only=False, per_probe=True),
+    ResultFamily("prunewatch_probe_results", "counter", "Probe results recorded, by status.",
+                 ("model", "domain", "status", "target"), lambda r: 1.0, ok_only=False, per_probe=True),
+    ResultFamily("prunewatch_preprocessing_latency_seconds", "histogram", "Tokenize + plan time of a probe.",
+                 _DOMAIN, lambda r: _seconds(r.preprocessing_ms), PHASE_BUCKETS),
+    ResultFamily("prunewatch_postprocessing_latency_seconds", "histogram", "Detokenize + stats time of a probe.",
+                 _DOMAIN, lambda r: _seconds(r.postprocessing_ms), PHASE_BUCKETS),
+    ResultFamily("prunewatch_quality_check_latency_seconds", "histogram",
+                 "Dense re-run + teacher-forced scoring time of a probe's quality check.",
+                 _DOMAIN, lambda r: _seconds(r.quality_ms), PROBE_DURATION_BUCKETS),
+    ResultFamily("prunewatch_time_to_first_token_seconds", "histogram", "Request start to first generated token.",
+                 _DOMAIN, lambda r: _seconds(r.ttft_ms), PHASE_BUCKETS),
+    ResultFamily("prunewatch_token_agreement", "gauge",
+                 "Teacher-forced argmax agreement of the pruned model with the dense model, last probe.",
+                 _PROBE, lambda r: r.token_agreement),
+    ResultFamily("prunewatch_dram_bytes_per_instruction", "gauge",
+                 "DRAM bytes per instruction; source=ncu (measured) or estimate (model-level).",
+                 ("model", "domain", "source", "target"), lambda r: r.dram_bytes_per_instruction),
+    ResultFamily("prunewatch_last_success_timestamp_seconds", "gauge",
+                 "Unix time of the last successful probe per target.", ("model", "target"),
+                 lambda r: r.created_at.timestamp(), per_probe=True),
+    ResultFamily("prunewatch_probe_duration_seconds", "histogram",
+                 "Wall time of a whole probe as the collector measured it (any target, baselines included).",
+                 ("model", "target", "status"), lambda r: _seconds(r.duration_ms), PROBE_DURATION_BUCKETS,
+                 ok_only=False, per_probe=True),
+)
+"""Every family a probe result feeds, in one table (names checked when CollectorMetrics is built)."""
+
+
 class CollectorMetrics:
-    """The collector's metric families, registered in the given registry."""
+    """The collector's metric families (RESULT_FAMILIES), registered in the given registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._versions = itertools.count(1)  # next() is atomic: concurrent records never share a version
         self._version = 0
         self._depth: Callable[[], float] | None = None
-        r = self.registry
-        self.pruning_ratio = Gauge(
-            check_metric_name("prunewatch_pruning_ratio"),
-            "Measured share of dense linear-layer FLOPs not executed, last probe (0..1).",
-            ["model", "domain", "probe", "target"], registry=r)
-        self.prefill_pruning_ratio = Gauge(
-            check_metric_name("prunewatch_prefill_pruning_ratio"),
-            "Measured pruning ratio of the prompt's forward pass alone, last probe (0..1).",
-            ["model", "domain", "probe", "target"], registry=r)
-        self.decode_pruning_ratio = Gauge(
-            check_metric_name("prunewatch_decode_pruning_ratio"),
-            "Measured pruning ratio of the decode steps alone, last probe (0..1): where skipping saves time.",
-            ["model", "domain", "probe", "target"], registry=r)
-        self.inference_latency = Histogram(
-            check_metric_name("prunewatch_inference_latency_seconds"),
-            "Prefill + decode wall time of a probe.", ["model", "domain", "target"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens_per_second = Gauge(
-            check_metric_name("prunewatch_tokens_per_second"),
-            "Completion tokens / inference time of the last probe.", ["model", "domain", "target"], registry=r)
-        self.probe_failures = Counter(
-            check_metric_name("prunewatch_probe_failures"),
-            "Probes that failed, by reason.", ["model", "domain", "reason", "target"], registry=r)
-        self.probe_results = Counter(
-            check_metric_name("prunewatch_probe_results"),
-            "Probe results recorded, by status.", ["model", "domain", "status", "target"], registry=r)
-        self.preprocessing = Histogram(
-            check_metric_name("prunewatch_preprocessing_latency_seconds"),
-            "Tokenize + plan time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
-        self.postprocessing = Histogram(
-            check_metric_name("prunewatch_postprocessing_latency_seconds"),
-            "Detokenize + stats time of a probe.", ["model", "domain", "target"], buckets=PHASE_BUCKETS,
-            registry=r)
-        self.quality_check = Histogram(
-            check_metric_name("prunewatch_quality_check_latency_seconds"),
-            "Dense re-run + teacher-forced scoring time of a probe's quality check.", ["model", "domain", "target"],
-            buckets=PROBE_DURATION_BUCKETS, registry=r)
-        self.ttft = Histogram(
-            check_metric_name("prunewatch_time_to_first_token_seconds"),
-            "Request start to first generated token.", ["model", "domain", "target"], buckets=PHASE_BUCKETS, registry=r)
-        self.token_agreement = Gauge(
-            check_metric_name("prunewatch_token_agreement"),
-            "Teacher-forced argmax agreement of the pruned model with the dense model, last probe.",
-            ["model", "domain", "probe", "target"], registry=r)
-        self.dram_bytes_per_instruction = Gauge(
-            check_metric_name("prunewatch_dram_bytes_per_instruction"),
-            "DRAM bytes per instruction; source=ncu (measured) or estimate (model-level).",
-            ["model", "domain", "source", "target"], registry=r)
-        self.last_success = Gauge(
-            check_metric_name("prunewatch_last_success_timestamp_seconds"),
-            "Unix time of the last successful probe per target.", ["model", "target"], registry=r)
-        self.probe_duration = Histogram(
-            check_metric_name("prunewatch_probe_duration_seconds"),
-            "Wall time of a whole probe as the collector measured it (any target, baselines included).",
-            ["model", "target", "status"], buckets=PROBE_DURATION_BUCKETS, registry=r)
+        self.families: dict[str, Gauge | Counter | Histogram] = {
+            family.name: _build(family, self.registry) for family in RESULT_FAMILIES}
         self.buffer_depth: Gauge | None = None
         self.buffer_dropped: Counter | None = None
         self.store_write_errors: Counter | None = None
@@ -135,42 +172,33 @@ class CollectorMetrics:
         """
         return self._version, (self._depth() if self._depth is not None else None)
 
-    def record(self, result: ProbeResult) -> None:
-        """Exporter entry point: turn one result into samples."""
+    def record(self, result: ProbeResult, *, live: bool = False) -> None:
+        """Exporter entry point: turn one result into samples.
+
+        `live` is a served request rather than a probe: the prober's bookkeeping families stay as they are.
+        """
         try:
-            self._record(result)
+            for family in RESULT_FAMILIES:
+                if (family.ok_only and not result.ok) or (live and family.per_probe):
+                    continue
+                value = family.value(result)
+                if value is None:
+                    continue
+                metric = self.families[family.name].labels(*family.label_values(result))
+                if family.kind == "gauge":
+                    metric.set(value)
+                elif family.kind == "counter":
+                    metric.inc(value)
+                else:
+                    metric.observe(value)
         finally:
             self._changed()
 
-    def _record(self, result: ProbeResult) -> None:
-        model, domain, target = result.model, result.domain, result.target
-        self.probe_results.labels(model, domain, result.status, target).inc()
-        if result.duration_ms is not None:
-            self.probe_duration.labels(model, result.target, result.status).observe(result.duration_ms / 1000.0)
-        if not result.ok:
-            self.probe_failures.labels(model, domain, result.failure_reason or "exception", target).inc()
-            return
-        if result.pruning_ratio is not None:  # absent (a baseline server) is not zero
-            self.pruning_ratio.labels(model, domain, result.probe_id, target).set(result.pruning_ratio)
-        if result.prefill_pruning_ratio is not None:
-            self.prefill_pruning_ratio.labels(model, domain, result.probe_id, target).set(result.prefill_pruning_ratio)
-        if result.decode_pruning_ratio is not None:
-            self.decode_pruning_ratio.labels(model, domain, result.probe_id, target).set(result.decode_pruning_ratio)
-        if result.quality_ms is not None:
-            self.quality_check.labels(model, domain, target).observe(result.quality_ms / 1000.0)
-        if result.inference_ms is not None:
-            self.inference_latency.labels(model, domain, target).observe(result.inference_ms / 1000.0)
-        if result.tokens_per_s is not None:
-            self.tokens_per_second.labels(model, domain, target).set(result.tokens_per_s)
-        if result.preprocessing_ms is not None:
-            self.preprocessing.labels(model, domain, target).observe(result.preprocessing_ms / 1000.0)
-        if result.postprocessing_ms is not None:
-            self.postprocessing.labels(model, domain, target).observe(result.postprocessing_ms / 1000.0)
-        if result.ttft_ms is not None:
-            self.ttft.labels(model, domain, target).observe(result.ttft_ms / 1000.0)
-        if result.token_agreement is not None:
-            self.token_agreement.labels(model, domain, result.probe_id, target).set(result.token_agreement)
-        if result.dram_bytes_per_instruction is not None:
-            self.dram_bytes_per_instruction.labels(model, domain, result.dram_source or "estimate", target).set(
-                result.dram_bytes_per_instruction)
-        self.last_success.labels(model, result.target).set(result.created_at.timestamp())
+
+def _build(family: ResultFamily, registry: CollectorRegistry) -> Gauge | Counter | Histogram:
+    name, labels = check_metric_name(family.name), list(family.labels)
+    if family.kind == "gauge":
+        return Gauge(name, family.documentation, labels, registry=registry)
+    if family.kind == "counter":
+        return Counter(name, family.documentation, labels, registry=registry)
+    return Histogram(name, family.documentation, labels, buckets=family.buckets, registry=registry)

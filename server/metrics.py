@@ -14,6 +14,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import RequestStats
+from probes import Probe
+from records.engine_stats import probe_result_from_stats
 from records.metrics import LATENCY_BUCKETS, CollectorMetrics, check_metric_name
 
 LIVE_PROBE = "live"
@@ -66,30 +68,23 @@ class ServerMetrics:
         self.request_duration.labels(self.model, endpoint).observe(seconds)
 
     def record_generation(self, stats: RequestStats) -> None:
-        """One finished generation as samples. Dense requests do not move the ratio gauge.
+        """One finished generation as samples of the shared families. Dense requests do not move the ratio gauges.
 
-        A request with no matched domain (sensitivity 0, or no calibration) would set a 0 ratio under
-        domain="none" and trip the collector's ratio-low alert on a series no one prunes; it still
-        counts in the FLOP counters, so the traffic-weighted ratio includes it.
+        The request becomes a result of the pseudo-probe "live" (records.engine_stats maps the stats by
+        name, as for a probe) and goes through the same table as every probe result. A request with no
+        matched domain (sensitivity 0, or no calibration) would set a 0 ratio under domain="none" and trip
+        the collector's ratio-low alert on a series no one prunes; it still counts in the FLOP counters,
+        so the traffic-weighted ratio includes it.
         """
-        shared, model = self.shared, self.model
-        domain = stats.domain or NO_DOMAIN
+        model, domain = self.model, stats.domain or NO_DOMAIN
         self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
         self.completion_tokens.labels(model).inc(stats.completion_tokens)
         self.executed_flops.labels(model, domain).inc(stats.executed_flops)
         self.dense_flops.labels(model, domain).inc(stats.dense_flops)
-        if stats.domain is not None:
-            shared.pruning_ratio.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.pruning_ratio)
-            shared.prefill_pruning_ratio.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.prefill_pruning_ratio)
-            shared.decode_pruning_ratio.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.decode_pruning_ratio)
-        if stats.quality is not None:  # asked for with X-Pruning-Quality: on
-            shared.token_agreement.labels(model, domain, LIVE_PROBE, SELF_TARGET).set(stats.quality.token_agreement)
-            shared.quality_check.labels(model, domain, SELF_TARGET).observe(stats.quality_ms / 1000.0)
-        shared.inference_latency.labels(model, domain, SELF_TARGET).observe(stats.inference_ms / 1000.0)
-        shared.tokens_per_second.labels(model, domain, SELF_TARGET).set(stats.tokens_per_s)
-        shared.preprocessing.labels(model, domain, SELF_TARGET).observe(stats.preprocessing_ms / 1000.0)
-        shared.postprocessing.labels(model, domain, SELF_TARGET).observe(stats.postprocessing_ms / 1000.0)
-        shared.ttft.labels(model, domain, SELF_TARGET).observe(stats.ttft_ms / 1000.0)
-        if stats.dram_bytes_per_instruction is not None:
-            shared.dram_bytes_per_instruction.labels(model, domain, stats.dram_source, SELF_TARGET).set(
-                stats.dram_bytes_per_instruction)
+        live = Probe(id=LIVE_PROBE, domain=domain, version=0, max_tokens=stats.completion_tokens, system="", prompt="")
+        result = probe_result_from_stats(target=SELF_TARGET, probe=live, round_id=LIVE_PROBE, stats=stats, text="",
+                                         duration_ms=stats.inference_ms)
+        if stats.domain is None:
+            result.pruning_ratio = result.prefill_pruning_ratio = result.decode_pruning_ratio = None
+        result.model = model
+        self.shared.record(result, live=True)
