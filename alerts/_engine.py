@@ -1,5 +1,8 @@
 """Evaluate the supported PromQL subset at one instant over `StoreSeries`, with Prometheus 2.x semantics.
 
+The expression is promql-parser's AST as `alerts._parser.parse` returned it (already type-checked by
+the library and limited to the subset), so this module only walks it.
+
 Ranges include both ends ([t - w, t]) for gauges; a counter's increase over a range counts the
 increments in (t - w, t], which is what Prometheus' rate() gives for a counter scraped on a grid
 aligned with the range (extrapolation factor 1). Instant selectors look back `lookback` seconds.
@@ -14,18 +17,20 @@ import operator
 from dataclasses import dataclass
 from typing import Callable, Union
 
-from alerts._parser import (
-    COMPARISONS,
-    Aggregate,
-    Binary,
+from promql_parser import (
+    AggModifierType,
+    AggregateExpr,
+    BinaryExpr,
     Call,
-    Negate,
-    Node,
+    Expr,
+    MatrixSelector,
     NumberLiteral,
-    Paren,
-    Selector,
-    UnsupportedExpression,
+    ParenExpr,
+    UnaryExpr,
+    VectorSelector,
 )
+
+from alerts._parser import COMPARISONS, Matcher, UnsupportedExpression, label_matchers
 from alerts._series import NAME, CounterSeries, GaugeSeries, Labels, StoreSeries
 
 
@@ -54,12 +59,23 @@ class RecordedRule:
     """A recording rule the evaluator can expand when its name is used as an instant selector."""
 
     name: str
-    expr: Node
+    expr: Expr
     labels: tuple[tuple[str, str], ...] = ()
 
 
 def _drop(labels: Labels, *names: str) -> Labels:
     return tuple((k, v) for k, v in labels if k not in names)
+
+
+def _metric(selector: VectorSelector) -> str:
+    if selector.name is None:  # `parse` refuses these; an AST built elsewhere may still hold one
+        raise UnsupportedExpression("selector without a metric name")
+    return selector.name
+
+
+def _matching(matchers: tuple[Matcher, ...], labels: Labels) -> bool:
+    values = dict(labels)
+    return all(m.matches(values.get(m.name, "")) for m in matchers)
 
 
 def _set(labels: Labels, extra: dict[str, str]) -> Labels:
@@ -140,32 +156,38 @@ class Engine:
         self.recorded = recorded or {}
         self._expanding: set[str] = set()
 
-    def vector(self, node: Node) -> Vector:
+    def vector(self, node: Expr) -> Vector:
         value = self.eval(node)
         if not isinstance(value, list):
             raise UnsupportedExpression("a rule expression must give an instant vector, not a scalar")
         return value
 
-    def eval(self, node: Node) -> Value:
+    def _scalar(self, node: Expr, what: str) -> float:
+        value = self.eval(node)
+        if not isinstance(value, float):
+            raise UnsupportedExpression(f"{what} must be a number")
+        return value
+
+    def eval(self, node: Expr) -> Value:
         if isinstance(node, NumberLiteral):
-            return node.value
-        if isinstance(node, Paren):
+            return float(node.val)
+        if isinstance(node, ParenExpr):
             return self.eval(node.expr)
-        if isinstance(node, Negate):
+        if isinstance(node, UnaryExpr):  # always a minus: the library drops a unary plus
             inner = self.eval(node.expr)
             if isinstance(inner, float):
                 return -inner
             return [Sample(_drop(s.labels, NAME), -s.value) for s in inner]
-        if isinstance(node, Selector):
-            if node.range_s is not None:
-                raise UnsupportedExpression(
-                    f"range selector {node.metric}[...] must be the argument of a *_over_time or rate function")
+        if isinstance(node, VectorSelector):
             return self._instant(node)
+        if isinstance(node, MatrixSelector):
+            raise UnsupportedExpression(f"range selector {_metric(node.vector_selector)}[...] must be the argument "
+                                        "of a *_over_time or rate function")
         if isinstance(node, Call):
             return self._call(node)
-        if isinstance(node, Aggregate):
+        if isinstance(node, AggregateExpr):
             return self._aggregate(node)
-        if isinstance(node, Binary):
+        if isinstance(node, BinaryExpr):
             return self._binary(node)
         raise UnsupportedExpression(f"expression node {type(node).__name__}")
 
@@ -177,20 +199,17 @@ class Engine:
                 f"metric {metric} is not derived from stored probe results, so only Prometheus can evaluate it")
         return kind
 
-    def _matching(self, node: Selector, labels: Labels) -> bool:
-        values = dict(labels)
-        return all(m.matches(values.get(m.name, "")) for m in node.matchers)
-
-    def _instant(self, node: Selector) -> Vector:
-        if node.metric in self.recorded:
-            return [s for s in self._expand(node.metric) if self._matching(node, s.labels)]
-        if self._kind(node.metric) == "counter":
+    def _instant(self, node: VectorSelector) -> Vector:
+        metric, matchers = _metric(node), label_matchers(node)
+        if metric in self.recorded:
+            return [s for s in self._expand(metric) if _matching(matchers, s.labels)]
+        if self._kind(metric) == "counter":
             raise UnsupportedExpression(
-                f"counter {node.metric} as an instant value: its absolute value depends on the collector process' "
+                f"counter {metric} as an instant value: its absolute value depends on the collector process' "
                 "lifetime; use rate() or increase()")
         out = []
-        for series in self.source.gauges(node.metric):
-            if self._matching(node, series.labels):
+        for series in self.source.gauges(metric):
+            if _matching(matchers, series.labels):
                 value = series.last_in(self.at - self.lookback_s, self.at)
                 if value is not None:
                     out.append(Sample(series.labels, value))
@@ -209,40 +228,18 @@ class Engine:
         finally:
             self._expanding.discard(name)
 
-    def _range_series(self, node: Node, func: str) -> tuple[Selector, str, list[GaugeSeries] | list[CounterSeries]]:
-        if not isinstance(node, Selector) or node.range_s is None:
-            raise UnsupportedExpression(f"{func}() needs a range selector such as metric[5m] as its argument")
-        if node.metric in self.recorded:
-            raise UnsupportedExpression(
-                f"{func}() over recording rule {node.metric}: the embedded evaluator keeps no recorded history")
-        kind = self._kind(node.metric)
-        series = self.source.gauges(node.metric) if kind == "gauge" else self.source.counters(node.metric)
-        return node, kind, [s for s in series if self._matching(node, s.labels)]
-
     # -- functions ----------------------------------------------------------------------------
     def _call(self, node: Call) -> Value:
-        func, args = node.func, node.args
+        func, args = node.func.name, node.args  # the library has checked the number and types of args
         if func == "time":
-            if args:
-                raise UnsupportedExpression("time() takes no arguments")
             return self.at
         if func in self.RANGE_FUNCTIONS:
-            if len(args) != 1:
-                raise UnsupportedExpression(f"{func}() takes one range argument")
             return self._range_call(func, args[0])
         if func == "histogram_quantile":
-            if len(args) != 2:
-                raise UnsupportedExpression("histogram_quantile() takes a quantile and a vector")
-            q = self.eval(args[0])
-            if not isinstance(q, float):
-                raise UnsupportedExpression("histogram_quantile()'s quantile must be a number")
+            q = self._scalar(args[0], "histogram_quantile()'s quantile")
             return self._histogram_quantile(q, self.vector(args[1]))
         if func in {"clamp_min", "clamp_max"}:
-            if len(args) != 2:
-                raise UnsupportedExpression(f"{func}() takes a vector and a number")
-            vector, bound = self.vector(args[0]), self.eval(args[1])
-            if not isinstance(bound, float):
-                raise UnsupportedExpression(f"{func}()'s bound must be a number")
+            vector, bound = self.vector(args[0]), self._scalar(args[1], f"{func}()'s bound")
             pick = max if func == "clamp_min" else min
             return [Sample(_drop(s.labels, NAME), s.value if math.isnan(s.value) else pick(s.value, bound))
                     for s in vector]
@@ -250,28 +247,37 @@ class Engine:
             return [Sample(_drop(s.labels, NAME), abs(s.value)) for s in self.vector(args[0])]
         raise UnsupportedExpression(f"function {func}()")
 
-    def _range_call(self, func: str, arg: Node) -> Vector:
-        node, kind, series = self._range_series(arg, func)
-        start, end = self.at - node.range_s, self.at
+    def _range_call(self, func: str, arg: Expr) -> Vector:
+        if not isinstance(arg, MatrixSelector):
+            raise UnsupportedExpression(f"{func}() needs a range selector such as metric[5m] as its argument")
+        metric, matchers = _metric(arg.vector_selector), label_matchers(arg.vector_selector)
+        if metric in self.recorded:
+            raise UnsupportedExpression(
+                f"{func}() over recording rule {metric}: the embedded evaluator keeps no recorded history")
+        kind = self._kind(metric)
+        candidates = self.source.gauges(metric) if kind == "gauge" else self.source.counters(metric)
+        series: list[GaugeSeries] | list[CounterSeries] = [s for s in candidates if _matching(matchers, s.labels)]
+        range_s = arg.range.total_seconds()
+        start, end = self.at - range_s, self.at
         if func == "absent_over_time":
             present = any(s.window(start, end) for s in series) if kind == "gauge" else \
                 any(s.any_in(start, end) for s in series)
             if present:
                 return []
-            labels = {m.name: m.value for m in node.matchers if m.op == "=" and m.name != NAME}
+            labels = {m.name: m.value for m in matchers if m.op == "=" and m.name != NAME}
             return [Sample(tuple(sorted(labels.items())), 1.0)]
         if func in {"rate", "increase"}:
             if kind != "counter":
-                raise UnsupportedExpression(f"{func}() over gauge {node.metric}")
+                raise UnsupportedExpression(f"{func}() over gauge {metric}")
             out = []
             for s in series:
                 if s.exists_at(end):
                     increase = s.increase(start, end)
-                    out.append(Sample(_drop(s.labels, NAME), increase / node.range_s if func == "rate" else increase))
+                    out.append(Sample(_drop(s.labels, NAME), increase / range_s if func == "rate" else increase))
             return out
         if kind != "gauge":
             raise UnsupportedExpression(
-                f"{func}() over counter {node.metric}: stored results are events, not scraped samples; "
+                f"{func}() over counter {metric}: stored results are events, not scraped samples; "
                 "use rate() or increase()")
         reduce: Callable[[list[float]], float] = {
             "avg_over_time": lambda v: math.fsum(v) / len(v), "min_over_time": min, "max_over_time": max,
@@ -298,37 +304,40 @@ class Engine:
         return [Sample(labels, bucket_quantile(q, buckets)) for labels, buckets in groups.items()]
 
     # -- aggregation and operators --------------------------------------------------------------
-    def _aggregate(self, node: Aggregate) -> Vector:
+    def _aggregate(self, node: AggregateExpr) -> Vector:
+        modifier = node.modifier
+        without = modifier is not None and modifier.type == AggModifierType.Without
+        grouping = tuple(modifier.labels) if modifier is not None else ()
         groups: dict[Labels, list[float]] = {}
         for s in self.vector(node.expr):
-            if node.without:
-                key = _drop(s.labels, NAME, *node.grouping)
+            if without:
+                key = _drop(s.labels, NAME, *grouping)
             else:
-                key = tuple((k, v) for k, v in s.labels if k in node.grouping and k != NAME)
+                key = tuple((k, v) for k, v in s.labels if k in grouping and k != NAME)
             groups.setdefault(key, []).append(s.value)
         reduce: Callable[[list[float]], float] = {
             "sum": math.fsum, "avg": lambda v: math.fsum(v) / len(v), "count": lambda v: float(len(v)),
             "min": lambda v: min((x for x in v if not math.isnan(x)), default=math.nan),
             "max": lambda v: max((x for x in v if not math.isnan(x)), default=math.nan),
-        }[node.op]
+        }[str(node.op)]
         return [Sample(key, float(reduce(values))) for key, values in groups.items()]
 
-    def _binary(self, node: Binary) -> Value:
+    def _binary(self, node: BinaryExpr) -> Value:
         lhs, rhs = self.eval(node.lhs), self.eval(node.rhs)
-        op, is_cmp = node.op, node.op in COMPARISONS
-        if isinstance(lhs, float) and isinstance(rhs, float):
-            if is_cmp and not node.bool_modifier:
-                raise UnsupportedExpression("comparisons between scalars must use the bool modifier")
+        op = str(node.op)
+        is_cmp = op in COMPARISONS
+        bool_modifier = node.modifier is not None and node.modifier.return_bool
+        if isinstance(lhs, float) and isinstance(rhs, float):  # the library requires bool on a scalar comparison
             return float(_COMPARE[op](lhs, rhs)) if is_cmp else _ARITHMETIC[op](lhs, rhs)
         if isinstance(lhs, list) and isinstance(rhs, list):
-            return self._vector_vector(op, is_cmp, node.bool_modifier, lhs, rhs)
+            return self._vector_vector(op, is_cmp, bool_modifier, lhs, rhs)
         vector, scalar, swapped = (lhs, rhs, False) if isinstance(lhs, list) else (rhs, lhs, True)
         out = []
         for s in vector:
             a, b = (scalar, s.value) if swapped else (s.value, scalar)
             if is_cmp:
                 keep = _COMPARE[op](a, b)
-                if node.bool_modifier:
+                if bool_modifier:
                     out.append(Sample(_drop(s.labels, NAME), float(keep)))
                 elif keep:
                     out.append(s)  # a filter keeps the vector's own value and name

@@ -1,7 +1,9 @@
 """Prometheus duration strings ("2h", "1h30m", "90s") as typed `timedelta` settings.
 
 Thresholds are written by people in Prometheus' own notation and rendered back into rules.yml
-in it, so the rule file reads exactly like the setting that produced it.
+in it, so the rule file reads exactly like the setting that produced it. promql-parser reads and
+writes the notation; only the two spellings where its PromQL reading differs from the one
+Prometheus applies to rule files (`for:`) are handled here.
 """
 
 from __future__ import annotations
@@ -10,47 +12,42 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any
 
+import promql_parser
 from pydantic import BeforeValidator, PlainSerializer
 
-_UNITS_MS = {"y": 365 * 86_400_000, "w": 7 * 86_400_000, "d": 86_400_000, "h": 3_600_000, "m": 60_000,
-             "s": 1000, "ms": 1}
-_ORDER = ("y", "w", "d", "h", "m", "s", "ms")
-_PART = re.compile(r"(\d+)(ms|y|w|d|h|m|s)")
+_NUMBER = re.compile(r"[0-9]+")
 
 
 def parse_duration(text: str) -> timedelta:
-    """Parse a Prometheus duration; units must appear largest first, each at most once."""
+    """Parse a Prometheus duration ("90s", "15m", "1h30m"); units go largest first, each at most once.
+
+    Two spellings are decided here because promql-parser reads them as PromQL 3 does, not as
+    Prometheus reads a rule file: a zero ("0", "0s", the default `for:`) is a valid hold time,
+    which the library refuses, and a bare number ("90") is refused, which the library reads as seconds.
+    """
     value = text.strip()
-    if not value:
-        raise ValueError("empty duration")
-    position, total_ms, last_rank = 0, 0, -1
-    for match in _PART.finditer(value):
-        if match.start() != position:
-            break
-        rank = _ORDER.index(match.group(2))
-        if rank <= last_rank:
-            raise ValueError(f"duration {text!r}: units must go from largest to smallest, each once")
-        last_rank = rank
-        total_ms += int(match.group(1)) * _UNITS_MS[match.group(2)]
-        position = match.end()
-    if position != len(value):
-        raise ValueError(f"duration {text!r} is not a Prometheus duration such as 90s, 15m, 2h or 1h30m")
-    return timedelta(milliseconds=total_ms)
+    numbers = _NUMBER.findall(value)
+    if numbers and not any(int(n) for n in numbers):
+        _library_duration(_NUMBER.sub("1", value), text)  # the same spelling with ones checks the units
+        return timedelta(0)
+    if _NUMBER.fullmatch(value):
+        raise ValueError(f"duration {text!r} needs a unit, as in 90s, 15m, 2h or 1h30m")
+    return _library_duration(value, text)
+
+
+def _library_duration(value: str, text: str) -> timedelta:
+    try:
+        return promql_parser.parse_duration(value)
+    except ValueError as exc:
+        raise ValueError(f"duration {text!r} is not a Prometheus duration such as 90s, 15m, 2h or 1h30m "
+                         f"({exc})") from exc
 
 
 def format_duration(value: timedelta) -> str:
-    """The shortest Prometheus spelling of `value` ("2h", "1h30m", "0s"); weeks and years are not used."""
-    total_ms = round(value.total_seconds() * 1000)
-    if total_ms < 0:
+    """The Prometheus spelling of `value` ("2h", "1h30m", "1w", "0s"), to the millisecond."""
+    if value < timedelta(0):
         raise ValueError(f"negative duration {value}")
-    if total_ms == 0:
-        return "0s"
-    parts = []
-    for unit in ("d", "h", "m", "s", "ms"):
-        count, total_ms = divmod(total_ms, _UNITS_MS[unit])
-        if count:
-            parts.append(f"{count}{unit}")
-    return "".join(parts)
+    return promql_parser.display_duration(timedelta(milliseconds=round(value.total_seconds() * 1000)))
 
 
 def _coerce(value: Any) -> Any:

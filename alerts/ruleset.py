@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from promql_parser import Expr
 
 from alerts._engine import Engine, EvaluationError, RecordedRule
-from alerts._parser import Aggregate, Binary, Call, Negate, Node, Paren, PromQLSyntaxError, Selector, \
-    UnsupportedExpression, parse
+from alerts._parser import PromQLSyntaxError, UnsupportedExpression, longest_range, parse
 from alerts._series import StoreSeries
 from alerts._templates import UnsupportedTemplate, check
 from alerts.durations import parse_duration
@@ -32,7 +32,7 @@ class AlertRule:
 
     name: str
     expr: str
-    node: Node
+    node: Expr
     hold_s: float
     labels: tuple[tuple[str, str], ...]
     annotations: tuple[tuple[str, str], ...]
@@ -61,24 +61,9 @@ class RuleFile:
 
     def horizon_s(self, lookback_s: float) -> float:
         """How much history one evaluation needs: the longest range in any runnable rule, plus the lookback."""
-        ranges = [_longest_range(rule.node) for rule in self.alerting]
-        ranges += [_longest_range(r.expr) for rules in self.recorded.values() for r in rules]
+        ranges = [longest_range(rule.node) for rule in self.alerting]
+        ranges += [longest_range(r.expr) for rules in self.recorded.values() for r in rules]
         return max(ranges, default=0.0) + lookback_s
-
-
-def _longest_range(node: Node) -> float:
-    if isinstance(node, Selector):
-        return node.range_s or 0.0
-    children: list[Node] = []
-    if isinstance(node, (Paren, Negate)):
-        children = [node.expr]
-    elif isinstance(node, Aggregate):
-        children = [node.expr]
-    elif isinstance(node, Call):
-        children = list(node.args)
-    elif isinstance(node, Binary):
-        children = [node.lhs, node.rhs]
-    return max((_longest_range(c) for c in children), default=0.0)
 
 
 def _string_map(value: Any, where: str) -> tuple[tuple[str, str], ...]:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
+import re
 from datetime import timedelta
 
 import pytest
 
 from alerts._engine import Engine, bucket_quantile
-from alerts._parser import PromQLSyntaxError, UnsupportedExpression, parse
+from alerts._parser import (
+    AGGREGATIONS,
+    COMPARISONS,
+    PromQLSyntaxError,
+    UnsupportedExpression,
+    longest_range,
+    parse,
+    top_level_binary,
+)
 from alerts._series import StoreSeries
 from alerts._templates import UnsupportedTemplate, render
 from alerts.durations import format_duration, parse_duration
@@ -26,18 +35,49 @@ def evaluate(expr: str, results, at, lookback_s: float = 300.0):
 @pytest.mark.parametrize("expr, message", [
     ("rate(prunewatch_probe_results_total[5m:1m])", "subquery"),
     ("prunewatch_pruning_ratio offset 5m", "modifier 'offset'"),
+    ("rate(prunewatch_probe_results_total[5m] @ 300)", "modifier '@'"),
     ("prunewatch_pruning_ratio and prunewatch_token_agreement", "set operator 'and'"),
+    ("prunewatch_pruning_ratio % 2", "operator '%'"),
     ("topk(2, prunewatch_pruning_ratio)", "aggregation 'topk'"),
     ("prunewatch_pruning_ratio / on(model) prunewatch_token_agreement", "vector matching modifier 'on'"),
+    ("prunewatch_pruning_ratio / ignoring(probe) prunewatch_token_agreement", "vector matching modifier 'ignoring'"),
+    ("prunewatch_pruning_ratio / fill(0) prunewatch_token_agreement", "modifier 'fill'"),
+    ('{__name__="prunewatch_pruning_ratio"}', "selector without a metric name"),
+    ('prunewatch_pruning_ratio{domain="legal" or domain="tech"}', "'or' between label matchers"),
 ])
 def test_unsupported_promql_names_the_construct(expr: str, message: str) -> None:
     with pytest.raises(UnsupportedExpression, match=message):
         parse(expr)
 
 
-def test_syntax_errors_give_the_position() -> None:
-    with pytest.raises(PromQLSyntaxError, match=r"expected a duration such as 5m at position 25"):
-        parse("prunewatch_pruning_ratio[5]")
+@pytest.mark.parametrize("expr, reason", [
+    ("prunewatch_pruning_ratio[5x]", "bad number or duration syntax: 5x"),
+    ("rate(prunewatch_probe_results_total)", "expected type matrix in call to function 'rate', got vector"),
+    ("sum by (domain (prunewatch_pruning_ratio)", "unclosed left parenthesis"),
+    ("1 > 0", "comparisons between scalars must use BOOL modifier"),
+])
+def test_syntax_errors_give_the_library_reason_and_the_expression(expr: str, reason: str) -> None:
+    with pytest.raises(PromQLSyntaxError, match=re.escape(f"{reason} in {expr!r}")):
+        parse(expr)
+
+
+def test_the_library_spells_operators_as_the_evaluator_dispatches_on_them() -> None:
+    """The evaluator reads operators through str(); an upgrade of promql-parser that changes it fails here."""
+    for op in ("+", "-", "*", "/", "==", "!=", ">", "<", ">=", "<="):
+        modifier = " bool" if op in COMPARISONS else ""
+        assert str(parse(f"prunewatch_pruning_ratio {op}{modifier} 1").op) == op
+    for op in AGGREGATIONS:
+        assert str(parse(f"{op} by (domain) (prunewatch_pruning_ratio)").op) == op
+
+
+def test_syntax_helpers_read_the_library_ast() -> None:
+    assert longest_range(parse("sum(rate(prunewatch_probe_results_total[15m])) / "
+                               "avg(avg_over_time(prunewatch_pruning_ratio[1h]))")) == 3600.0
+    assert longest_range(parse("prunewatch_pruning_ratio")) == 0.0
+    assert top_level_binary("prunewatch_pruning_ratio / 2") and not top_level_binary("(prunewatch_pruning_ratio / 2)")
+    assert top_level_binary("prunewatch_pruning_ratio offset 5m > 1")  # syntax only: the subset is not asked
+    many = " + ".join(f"avg(avg_over_time(prunewatch_pruning_ratio[{i}m]))" for i in range(1, 401))
+    assert longest_range(parse(many)) == 400 * 60.0  # walked in linear time (promql_parser.walk takes minutes)
 
 
 def test_gauge_windows_include_both_ends_and_instant_selectors_look_back_five_minutes() -> None:
@@ -92,8 +132,7 @@ def test_vector_division_matches_on_labels_and_scalars_need_bool() -> None:
     assert got == [({"domain": "legal"}, 0.5)]
     assert evaluate("sum by (domain) (prunewatch_pruning_ratio) / sum by (model) (prunewatch_pruning_ratio)",
                     rows, T0) == []  # no label set in common: nothing matches
-    with pytest.raises(UnsupportedExpression, match="bool modifier"):
-        evaluate("1 > 0", rows, T0)
+    assert evaluate("prunewatch_pruning_ratio * (1 > bool 0)", rows, T0)[0][1] == 0.25
 
 
 def test_counters_and_unknown_metrics_are_refused_with_a_reason() -> None:
@@ -130,9 +169,14 @@ def test_durations_round_trip_in_prometheus_notation() -> None:
     assert parse_duration("1d") == timedelta(days=1)
     assert format_duration(timedelta(minutes=90)) == "1h30m"
     assert format_duration(timedelta(0)) == "0s"
-    for bad in ("90", "30m1h", "1h 30m", "", "2 hours"):
-        with pytest.raises(ValueError):
+    assert format_duration(timedelta(days=7)) == "1w" and parse_duration("1w") == timedelta(days=7)
+    for zero in ("0", "0s", "0h0m"):  # rule files accept a zero hold time; promql-parser alone refuses it
+        assert parse_duration(zero) == timedelta(0)
+    for bad in ("90", "30m1h", "1h 30m", "", "2 hours", "0s0h", "1.5h"):
+        with pytest.raises(ValueError, match="duration"):
             parse_duration(bad)
+    with pytest.raises(ValueError):
+        format_duration(timedelta(seconds=-1))
 
 
 RULES = """

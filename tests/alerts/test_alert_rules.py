@@ -7,10 +7,11 @@ import re
 
 import pytest
 import yaml
+from promql_parser import BinaryExpr, ParenExpr
 from pydantic import ValidationError
 
 from alerts import RULES_PATH, RuleSettings, render_rules
-from alerts._parser import Binary, Paren, parse
+from alerts._parser import parse
 from alerts.rules import compare
 from records.promql import (
     PROMQL_AGREEMENT_AVG_1H,
@@ -63,11 +64,11 @@ def test_alerts_compare_the_promql_constants_verbatim(defaults: RuleSettings) ->
             continue
         source, op = ALERT_SOURCES[rule["alert"]]
         node = parse(rule["expr"])
-        assert isinstance(node, Binary) and node.op == op
-        left = node.lhs.expr if isinstance(node.lhs, Paren) else node.lhs
-        assert left == parse(source)  # the constant itself, not a look-alike
+        assert isinstance(node, BinaryExpr) and str(node.op) == op
+        left = node.lhs.expr if isinstance(node.lhs, ParenExpr) else node.lhs
+        assert left.prettify() == parse(source).prettify()  # the constant itself, not a look-alike
         assert source in rule["expr"]
-        assert node.rhs.value == thresholds[key]
+        assert node.rhs.val == thresholds[key]
         seen.add(key)
     assert seen == set(thresholds)
 
