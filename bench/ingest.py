@@ -14,7 +14,7 @@ cached until a sample changes, see collector/exposition.py); each scrape is a fu
 /metrics, timed by the client. Also reported: a scrape right after each new result (the cache is
 re-rendered) and prometheus_client's render alone, so the cache's effect is visible.
 
-    python -m bench.ingest                      # a throwaway PostgreSQL (initdb + pg_ctl), 20,000 results
+    python -m bench.ingest                      # a throwaway PostgreSQL (fsync off), 20,000 results
     python -m bench.ingest --db postgresql+psycopg://user:pw@host/db --results 50000
 
 All figures are measured on this machine; nothing is modelled. The JSON lands in
@@ -43,14 +43,18 @@ from sqlalchemy.orm import Session
 from collector.buffered import BufferedStore
 from collector.exporters import SqlExporter
 from collector.exposition import start_metrics_server
-from collector.metrics import CollectorMetrics
-from collector.results import ProbeResult
+from records.metrics import CollectorMetrics
+from records.results import ProbeResult
 from collector.spool import DiskSpool
-from collector.store import ResultRepository, connect, create_schema
+from records.store import ResultRepository, connect, create_schema
+from services import temporary_postgres
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGET_RESULTS_PER_S = 2000.0
 TARGET_SCRAPE_MS = 20.0
+# The throwaway server's settings: as the tests run it, so a commit costs no disk flush and the
+# figures show the collector's and the database's work rather than this machine's disk.
+THROWAWAY_PG_OPTIONS = {"fsync": "off"}
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -195,7 +199,7 @@ def bench_scrape(min_series: int, scrapes: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", help="PostgreSQL URL (default: start a throwaway server with initdb + pg_ctl)")
+    parser.add_argument("--db", help="PostgreSQL URL (default: start a throwaway local server, fsync off)")
     parser.add_argument("--results", type=int, default=20_000, help="results written per store measurement")
     parser.add_argument("--batch-size", type=int, default=500, help="results per transaction (batched paths)")
     parser.add_argument("--single", type=int, default=1_000, help="results for the one-per-transaction path")
@@ -207,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         db_url = args.db
         if db_url is None:
-            from tests.support.servers import postgres_server
-
-            db_url = stack.enter_context(postgres_server()).url
+            db_url = stack.enter_context(temporary_postgres(options=THROWAWAY_PG_OPTIONS)).url
         engine = connect(db_url)
         create_schema(engine)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="prunewatch-ingest-")))
@@ -262,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "into PostgreSQL (idempotent inserts, one transaction per batch)",
             "direct_batched": "ResultRepository.add_many, one transaction per batch",
             "one_per_transaction": "SqlExporter.record per result",
+            "store_server": ("the --db server" if args.db else
+                             f"a throwaway local PostgreSQL with {THROWAWAY_PG_OPTIONS} (no disk flush per commit)"),
             "scrape": "HTTP GET /metrics against the collector's metrics server (render cached until a sample "
                       "changes), timed by the client after 3 warm-up scrapes; 'after_each_new_result' records a "
                       "result before each scrape, forcing a re-render; 'render_only' times generate_latest alone",

@@ -1,137 +1,61 @@
-"""Start real servers as child processes on 127.0.0.1 with free ports, and stop them without leftovers.
+"""Real servers for the tests (PostgreSQL, Prometheus, Alertmanager) on 127.0.0.1 with free ports.
 
-PostgreSQL refuses to run as root, so when the tests run as root (CI does) the server runs as the
-`postgres` system user the Debian package creates.
+Starting, waiting for and stopping the processes is `services`' work, shared with `prunewatch stack`
+and the benchmarks; this module only writes each server's config into a temp folder and removes
+it afterwards.
 """
 
 from __future__ import annotations
 
-import os
-import pwd
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
-import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-PG_BIN_CANDIDATES = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
-ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")
+from services import (
+    ALERTMANAGER_BINARIES,
+    PROMETHEUS_BINARIES,
+    PostgresServer,
+    ProcessRecord,
+    ServiceError,
+    find_binary,
+    free_port,
+    launch,
+    postgres_available,
+    stop,
+    temporary_postgres,
+    wait_for_url,
+    which_binary,
+)
+from services import wait_for_http as wait_for_service
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["PostgresServer", "ProcessServer", "alertmanager_binary", "alertmanager_server", "free_port",
+           "postgres_available", "postgres_server", "prometheus_server", "wait_for_http"]
 
 
 def wait_for_http(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status < 500:
-                    return
-        except Exception as exc:  # not up yet
-            last = exc
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout_s}s: {last}")
-
-
-def _stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout_s)
+    """Wait until `url` answers 2xx, for servers the tests start themselves (threads, their own children)."""
+    wait_for_url(url, timeout_s)
 
 
 # -- PostgreSQL ----------------------------------------------------------------------------------
-@dataclass
-class PostgresServer:
-    host: str
-    port: int
-    data_dir: Path
-    database: str = "prunewatch"
-    user: str = "prunewatch"
-    password: str = "prunewatch"
-    _as_user: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://{self.user}:{self.password}@{self.host}:{self.port}/{self.database}"
-
-    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        command = list(args)
-        if self._as_user:
-            command = ["runuser", "-u", self._as_user, "--", *command]
-        return subprocess.run(command, check=check, capture_output=True, text=True)
-
-    def stop(self) -> None:
-        self._run(str(_pg_bin() / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "stop", check=False)
-
-    def start(self) -> None:
-        self._run(str(_pg_bin() / "pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "30",
-                  "-o", f"-p {self.port} -k {self.data_dir} -c listen_addresses=127.0.0.1 -c fsync=off",
-                  "-l", str(self.data_dir / "server.log"), "start")
-
-
-def _pg_bin() -> Path:
-    for candidate in PG_BIN_CANDIDATES:
-        if (candidate / "initdb").exists():
-            return candidate
-    raise FileNotFoundError("PostgreSQL server binaries not found (apt-get install postgresql)")
-
-
-def postgres_available() -> bool:
-    try:
-        _pg_bin()
-        return True
-    except FileNotFoundError:
-        return False
-
-
 @contextmanager
 def postgres_server() -> Iterator[PostgresServer]:
-    """initdb a temp cluster, start it on a free port, create role + database, stop and delete after."""
-    as_user = "postgres" if os.geteuid() == 0 else None
-    root = Path(tempfile.mkdtemp(prefix="prunewatch-pg-"))
-    data_dir = root / "data"
-    data_dir.mkdir()
-    if as_user:
-        entry = pwd.getpwnam(as_user)
-        os.chown(root, entry.pw_uid, entry.pw_gid)
-        os.chown(data_dir, entry.pw_uid, entry.pw_gid)
-    server = PostgresServer(host="127.0.0.1", port=free_port(), data_dir=data_dir, _as_user=as_user)
-    pwfile = root / "pw"
-    pwfile.write_text(server.password + "\n")
-    if as_user:
-        os.chown(pwfile, entry.pw_uid, entry.pw_gid)
-    server._run(str(_pg_bin() / "initdb"), "-D", str(data_dir), "-U", server.user, "--pwfile", str(pwfile),
-                "-A", "scram-sha-256", "--no-sync", "-E", "UTF8", "--locale", "C")
-    server.start()
-    try:
-        env_cmd = ["env", f"PGPASSWORD={server.password}", str(_pg_bin() / "createdb"), "-h", "127.0.0.1",
-                   "-p", str(server.port), "-U", server.user, server.database]
-        subprocess.run(env_cmd, check=True, capture_output=True, text=True)
+    """A throwaway cluster on a free port with the `prunewatch` database; stopped and deleted after.
+
+    fsync is off: a test's data need not survive a power cut, and commits are many times faster.
+    """
+    with temporary_postgres(options={"fsync": "off"}) as server:
         yield server
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- Prometheus and Alertmanager -----------------------------------------------------------------
 @dataclass
 class ProcessServer:
     url: str
-    process: subprocess.Popen
+    record: ProcessRecord
     workdir: Path
     log_path: Path
 
@@ -139,63 +63,58 @@ class ProcessServer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def _launch(command: list[str], workdir: Path, ready_url: str, timeout_s: float) -> ProcessServer:
+@contextmanager
+def _serve(name: str, command: list[str], workdir: Path, port: int, timeout_s: float = 60.0) -> Iterator[ProcessServer]:
+    """Run `command` until /-/ready answers, yield it, then stop it and delete `workdir`."""
     log_path = workdir / "server.log"
-    log = log_path.open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-    base = ready_url.rsplit("/-/", 1)[0]
+    server = ProcessServer(url=f"http://127.0.0.1:{port}", record=launch(name, command, log_path, cwd=workdir),
+                           workdir=workdir, log_path=log_path)
     try:
-        wait_for_http(ready_url, timeout_s)
-    except TimeoutError:
-        _stop(process)
-        raise RuntimeError(f"{command[0]} did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-    return ProcessServer(url=base, process=process, workdir=workdir, log_path=log_path)
+        try:
+            wait_for_service(server.record, f"{server.url}/-/ready", timeout_s)
+        except ServiceError as exc:
+            raise RuntimeError(f"{exc}\n{server.log()[-3000:]}") from None
+        yield server
+    finally:
+        stop([server.record], 10.0)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _workdir(prefix: str, config_name: str, config_yaml: str, extra_files: dict[str, str] | None) -> Path:
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    for name, content in (extra_files or {}).items():
+        (workdir / name).write_text(content)
+    (workdir / config_name).write_text(config_yaml)
+    return workdir
 
 
 @contextmanager
 def prometheus_server(config_yaml: str, extra_files: dict[str, str] | None = None,
                       extra_args: list[str] | None = None) -> Iterator[ProcessServer]:
     """Run `prometheus` with the given config (and rule files written beside it)."""
-    workdir = Path(tempfile.mkdtemp(prefix="prunewatch-prom-"))
-    for name, content in (extra_files or {}).items():
-        (workdir / name).write_text(content)
-    (workdir / "prometheus.yml").write_text(config_yaml)
+    binary = find_binary(PROMETHEUS_BINARIES, "prometheus", "prometheus")
+    workdir = _workdir("prunewatch-prom-", "prometheus.yml", config_yaml, extra_files)
     port = free_port()
-    command = [shutil.which("prometheus") or "prometheus", f"--config.file={workdir / 'prometheus.yml'}",
-               f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-               "--web.enable-lifecycle", *(extra_args or [])]
-    server = _launch(command, workdir, f"http://127.0.0.1:{port}/-/ready", 60)
-    try:
+    command = [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+               f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", *(extra_args or [])]
+    with _serve("prometheus", command, workdir, port) as server:
         yield server
-    finally:
-        _stop(server.process)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def alertmanager_binary() -> str | None:
-    for name in ALERTMANAGER_BINARIES:
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
+    """Alertmanager's path (Debian names it prometheus-alertmanager); None when it is not installed."""
+    return which_binary(ALERTMANAGER_BINARIES)
 
 
 @contextmanager
 def alertmanager_server(config_yaml: str, extra_files: dict[str, str] | None = None) -> Iterator[ProcessServer]:
-    """Run Alertmanager (Debian names it prometheus-alertmanager) with clustering off."""
+    """Run Alertmanager with clustering off."""
     binary = alertmanager_binary()
     if binary is None:
         raise FileNotFoundError("alertmanager not installed (apt-get install prometheus-alertmanager)")
-    workdir = Path(tempfile.mkdtemp(prefix="prunewatch-am-"))
-    for name, content in (extra_files or {}).items():
-        (workdir / name).write_text(content)
-    (workdir / "alertmanager.yml").write_text(config_yaml)
+    workdir = _workdir("prunewatch-am-", "alertmanager.yml", config_yaml, extra_files)
     port = free_port()
     command = [binary, f"--config.file={workdir / 'alertmanager.yml'}", f"--storage.path={workdir / 'data'}",
                f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="]
-    server = _launch(command, workdir, f"http://127.0.0.1:{port}/-/ready", 60)
-    try:
+    with _serve("alertmanager", command, workdir, port) as server:
         yield server
-    finally:
-        _stop(server.process)
-        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,8 +1,9 @@
 """Start detached service processes with a log each, wait for them boundedly, stop them without leftovers.
 
 Each service gets its own session (so its own process group): `stack up` can exit while the
-services run on, and `stack down` can stop a service together with any child it forked. A pid is
-trusted only together with its start time, so a pid the OS has since reused is never signalled.
+services run on, and `stack down` (or a test's clean-up) can stop a service together with any
+child it forked. A pid is trusted only together with its start time, so a pid the OS has since
+reused is never signalled.
 """
 
 from __future__ import annotations
@@ -37,15 +38,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
 @dataclass(frozen=True)
 class ProcessRecord:
     """What `stack down` needs to find a started process again, saved in the state file."""
@@ -57,6 +49,7 @@ class ProcessRecord:
     stop_signal: int = int(signal.SIGTERM)
 
     def to_json(self) -> dict:
+        """The record as stored in a state file (`ProcessRecord(**data)` reads it back)."""
         return asdict(self)
 
 
@@ -75,7 +68,16 @@ def _process(record: ProcessRecord) -> psutil.Process | None:
 
 
 def _reap(pid: int) -> None:
-    """Collect the exit status of our own child (a no-op for anyone else's process)."""
+    """Collect the exit status of our own child (a no-op for anyone else's process).
+
+    A child this process started is reaped through its Popen, which is then forgotten: a
+    long-lived process (a test session) starting many services keeps no finished ones around.
+    """
+    for process in _STARTED:
+        if process.pid == pid:
+            if process.poll() is not None:
+                _STARTED.remove(process)
+            return
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
@@ -97,6 +99,7 @@ def _owns_group(record: ProcessRecord) -> bool:
 
 
 def is_running(record: ProcessRecord) -> bool:
+    """Whether the record's own process still runs (not a later one that got the same pid)."""
     return _process(record) is not None
 
 
@@ -153,6 +156,7 @@ def last_log_line(record: ProcessRecord) -> str:
 
 
 def _failure(record: ProcessRecord, what: str) -> ServiceError:
+    """One line naming the service, what it failed to do, its log and the log's last line."""
     line = last_log_line(record)
     return ServiceError(f"{record.name} {what}; log: {record.log}" + (f" (last line: {line})" if line else ""))
 
@@ -172,7 +176,7 @@ def wait_until(record: ProcessRecord, check: Callable[[], bool], what: str, time
 
 
 def http_ok(url: str, headers: Mapping[str, str] | None = None, timeout_s: float = 2.0) -> bool:
-    """True when `url` answers 2xx."""
+    """True when `url` answers 2xx (redirects followed): servers answer 503 on /-/ready while starting."""
     request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -182,7 +186,21 @@ def http_ok(url: str, headers: Mapping[str, str] | None = None, timeout_s: float
 
 
 def wait_for_http(record: ProcessRecord, url: str, timeout_s: float) -> None:
+    """Wait until the service of `record` answers `url` with 2xx; ServiceError naming its log otherwise."""
     wait_until(record, lambda: http_ok(url), f"answer {url}", timeout_s)
+
+
+def wait_for_url(url: str, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Wait until `url` answers 2xx, for a server this module did not start (a thread, a test's own child).
+
+    Without a record there is no process to watch, so only the deadline ends a wait for a server
+    that died; ServiceError then.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not http_ok(url):
+        if time.monotonic() >= deadline:
+            raise ServiceError(f"{url} did not answer within {timeout_s:g}s")
+        time.sleep(poll_s)
 
 
 def stop(records: Sequence[ProcessRecord], timeout_s: float) -> list[str]:
