@@ -43,6 +43,7 @@ from engine.execution import (
     executing,
     instrument,
 )
+from engine.quality import continuation_agreement, greedy_continuation, next_token_nll, teacher_forced_nll
 from engine.sparse import (
     SparsityOptions,
     calibrate_sparsity,
@@ -355,40 +356,6 @@ def _texts(config: EngineBenchConfig) -> tuple[list[str], list[str]]:
 
 
 @torch.no_grad()
-def _nll(model, ids: torch.Tensor, plan: ExecutionPlan) -> tuple[float, int, ExecutionLedger]:
-    """Summed next-token NLL of `ids` (1, T) under `plan`, teacher-forced in one forward."""
-    ledger = ExecutionLedger()
-    with executing(plan, ledger):
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # (T-1, V)
-    loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
-    return float(loss), ids.shape[1] - 1, ledger
-
-
-@torch.no_grad()
-def _greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    """Dense greedy continuation token ids, (steps,)."""
-    cache, token = _prefill(model, prompt)
-    tokens = [token]
-    for step in range(steps - 1):
-        positions = torch.full((1, 1), prompt.shape[1] + step)
-        with executing(ExecutionPlan(), ExecutionLedger()):
-            out = model(input_ids=token, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-        tokens.append(token)
-    return torch.cat(tokens, dim=1)[0]
-
-
-@torch.no_grad()
-def _agreement(model, prompt: torch.Tensor, continuation: torch.Tensor, plan: ExecutionPlan) -> tuple[int, int]:
-    """(matches, positions): argmax under `plan` on prompt + dense continuation vs the continuation."""
-    ids = torch.cat([prompt[0], continuation])[None]  # (1, P + C)
-    with executing(plan, ExecutionLedger()):
-        logits = model(input_ids=ids, use_cache=False).logits[0]
-    predicted = logits[prompt.shape[1] - 1:-1].argmax(dim=-1)  # predictions of the continuation
-    return int((predicted == continuation).sum()), int(continuation.numel())
-
-
-@torch.no_grad()
 def _decode_ratio(model, prompt: torch.Tensor, plan: ExecutionPlan, steps: int) -> float:
     """Engine pruning ratio over single-sequence decode steps (prefill excluded)."""
     cache, token = _prefill(model, prompt)
@@ -408,7 +375,7 @@ def _shared_batch_nll(model, batch_ids: torch.Tensor, plan: ExecutionPlan) -> tu
             positions = torch.full((batch_ids.shape[0], 1), t)
             logits = model(input_ids=batch_ids[:, t:t + 1], cache=cache, use_cache=True,
                            position_ids=positions).logits[:, -1].float()  # (B, V)
-            total += float(torch.nn.functional.cross_entropy(logits, batch_ids[:, t + 1], reduction="sum"))
+            total += next_token_nll(logits, batch_ids[:, t + 1])
     return total, batch_ids.shape[0] * (batch_ids.shape[1] - 1), ledger
 
 
@@ -429,8 +396,8 @@ def run_quality(config: EngineBenchConfig) -> tuple[dict, list[QualityRow]]:
                 for t in held_out]
     prompts = [tokenizer(p.prompt, return_tensors="pt", add_special_tokens=False).input_ids[:, -64:]
                for p in load_probes().probes]
-    continuations = [_greedy(model, p, config.continuation_tokens) for p in prompts]
-    dense_nll = sum(_nll(model, ids, ExecutionPlan())[0] for ids in held_ids)
+    continuations = [greedy_continuation(model, p, config.continuation_tokens) for p in prompts]
+    dense_nll = sum(teacher_forced_nll(model, ids, ExecutionPlan())[0] for ids in held_ids)
     tokens = sum(ids.shape[1] - 1 for ids in held_ids)
     dense_ppl = math.exp(dense_nll / tokens)
     rows: list[QualityRow] = []
@@ -444,13 +411,14 @@ def run_quality(config: EngineBenchConfig) -> tuple[dict, list[QualityRow]]:
                 plan = ExecutionPlan(activation_sparsity=target)
                 nll, kept, entries = 0.0, 0, 0
                 for ids in held_ids:
-                    loss, _, ledger = _nll(model, ids, plan)
+                    ledger = ExecutionLedger()
+                    loss, _ = teacher_forced_nll(model, ids, plan, ledger)
                     nll += loss
                     kept += ledger.sparse_kept_entries
                     entries += ledger.sparse_input_entries
                 matches = positions = 0
                 for prompt, continuation in zip(prompts, continuations):
-                    m, n = _agreement(model, prompt, continuation, plan)
+                    m, n = continuation_agreement(model, prompt, continuation, plan)
                     matches, positions = matches + m, positions + n
                 ppl = math.exp(nll / tokens)
                 rows.append(QualityRow(

@@ -3,23 +3,90 @@
 Teacher forcing on the dense continuation isolates the plan's effect from divergence: both
 models read the very same tokens, and we compare their next-token predictions position by
 position (agreement) and the likelihood each assigns to the dense continuation (perplexity).
+
+The primitives (greedy continuation, teacher-forced logits, agreement, NLL) are public so the
+benchmarks measure quality exactly as the engine reports it, rather than with a copy that can drift.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
+from torch import nn
 
 from engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
 from engine.stats import QualityReport
 
 
 @torch.no_grad()
-def _continuation_logits(instrumented: InstrumentedModel, ids: torch.Tensor, plan: ExecutionPlan) -> torch.Tensor:
-    with executing(plan, ExecutionLedger()):  # scoring work is not the request's work
-        return instrumented.model(input_ids=ids, use_cache=False).logits[0].float()  # (T, V)
+def teacher_forced_logits(model: nn.Module, ids: torch.Tensor, plan: ExecutionPlan,
+                          ledger: ExecutionLedger | None = None) -> torch.Tensor:
+    """fp32 logits (T, V) of one sequence `ids` (1, T) under `plan`, in one forward without a cache.
+
+    Row t predicts token t + 1. The work is counted into `ledger` when one is given, else into a
+    throwaway one: scoring work is not a request's work.
+    """
+    with executing(plan, ledger if ledger is not None else ExecutionLedger()):
+        return model(input_ids=ids, use_cache=False).logits[0].float()  # (T, V)
+
+
+def token_agreement(logits: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+    """(matches, positions): how many argmax predictions of `logits` (N, V) equal `targets` (N,).
+
+    Counts rather than a share, so callers can pool positions over several sequences.
+    """
+    return int((logits.argmax(dim=-1) == targets).sum()), int(targets.numel())
+
+
+def next_token_nll(logits: torch.Tensor, targets: torch.Tensor,
+                   reduction: Literal["sum", "mean"] = "sum") -> float:
+    """Negative log-likelihood of `targets` (N,) under `logits` (N, V): summed to pool, or the mean."""
+    return float(torch.nn.functional.cross_entropy(logits, targets, reduction=reduction))
+
+
+@torch.no_grad()
+def greedy_continuation(model: nn.Module, prompt: torch.Tensor, steps: int,
+                        plan: ExecutionPlan | None = None, ledger: ExecutionLedger | None = None) -> torch.Tensor:
+    """Token ids (steps,) `model` picks greedily after `prompt` (1, P) under `plan` (dense when None), with a KV cache.
+
+    The plan governs the prefill as well as every decode step, so the cache matches the plan.
+    This is the reference continuation `continuation_agreement` scores a plan against.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with executing(plan if plan is not None else ExecutionPlan(), ledger if ledger is not None else ExecutionLedger()):
+        out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # (1, 1)
+        tokens = [token]
+        for step in range(steps - 1):
+            positions = torch.full((1, 1), prompt.shape[1] + step, device=prompt.device)
+            out = model(input_ids=token, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+    return torch.cat(tokens, dim=1)[0]
+
+
+def continuation_agreement(model: nn.Module, prompt: torch.Tensor, continuation: torch.Tensor,
+                           plan: ExecutionPlan) -> tuple[int, int]:
+    """(matches, positions): `plan`'s teacher-forced predictions of a reference `continuation` (C,).
+
+    The model reads `prompt` (1, P) and the reference itself, so one early miss does not make every
+    later position differ: each position measures the plan, not the divergence before it.
+    """
+    ids = torch.cat([prompt[0], continuation])[None]  # (1, P + C)
+    logits = teacher_forced_logits(model, ids, plan)[prompt.shape[1] - 1:-1]  # (C, V): predicts the continuation
+    return token_agreement(logits, continuation)
+
+
+def teacher_forced_nll(model: nn.Module, ids: torch.Tensor, plan: ExecutionPlan,
+                       ledger: ExecutionLedger | None = None) -> tuple[float, int]:
+    """(summed NLL, tokens scored) of `ids` (1, T) under `plan`: every token after the first, in one forward."""
+    logits = teacher_forced_logits(model, ids, plan, ledger)[:-1]  # (T - 1, V)
+    return next_token_nll(logits, ids[0, 1:]), ids.shape[1] - 1
 
 
 def score_against_dense(
@@ -35,11 +102,13 @@ def score_against_dense(
     ids = torch.tensor([prompt_ids + dense_continuation], device=device)
     start = len(prompt_ids) - 1  # logits at position t predict token t + 1
     targets = ids[0, len(prompt_ids):]
-    dense_logits = _continuation_logits(instrumented, ids, ExecutionPlan())[start:-1]
-    pruned_logits = dense_logits if not plan.skips_work else _continuation_logits(instrumented, ids, plan)[start:-1]
-    agreement = float((pruned_logits.argmax(-1) == targets).float().mean())
-    dense_nll = float(torch.nn.functional.cross_entropy(dense_logits, targets))
-    pruned_nll = float(torch.nn.functional.cross_entropy(pruned_logits, targets))
+    dense_logits = teacher_forced_logits(instrumented.model, ids, ExecutionPlan())[start:-1]
+    pruned_logits = (dense_logits if not plan.skips_work
+                     else teacher_forced_logits(instrumented.model, ids, plan)[start:-1])
+    matches, positions = token_agreement(pruned_logits, targets)
+    agreement = matches / positions
+    dense_nll = next_token_nll(dense_logits, targets, reduction="mean")
+    pruned_nll = next_token_nll(pruned_logits, targets, reduction="mean")
     dense_ppl, pruned_ppl = math.exp(dense_nll), math.exp(pruned_nll)
     return QualityReport(
         token_agreement=round(agreement, 6),
@@ -68,10 +137,10 @@ def heldout_perplexity_delta(engine, texts: Sequence[str]) -> float:
                                      prompt_text=text)
         x = torch.tensor([ids], device=engine.loaded.device)
         targets = x[0, 1:]
-        dense = _continuation_logits(engine.instrumented, x, ExecutionPlan())[:-1]
-        pruned = dense if not plan.skips_work else _continuation_logits(engine.instrumented, x, plan)[:-1]
-        dense_nll += float(torch.nn.functional.cross_entropy(dense, targets, reduction="sum"))
-        pruned_nll += float(torch.nn.functional.cross_entropy(pruned, targets, reduction="sum"))
+        dense = teacher_forced_logits(engine.instrumented.model, x, ExecutionPlan())[:-1]
+        pruned = dense if not plan.skips_work else teacher_forced_logits(engine.instrumented.model, x, plan)[:-1]
+        dense_nll += next_token_nll(dense, targets)
+        pruned_nll += next_token_nll(pruned, targets)
         tokens += int(targets.numel())
     if tokens == 0:
         raise ValueError("held-out texts have no tokens to score")
