@@ -32,7 +32,6 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -43,6 +42,7 @@ from pydantic import (
 )
 
 from engine.model_store import PROBE_MODEL_DIR
+from probes import read_yaml
 
 TargetKindName = Literal["in_process", "prunewatch", "openai"]
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -197,12 +197,7 @@ def _where(error: dict[str, Any], document: Any) -> str:
 def load_targets(path: Path | str) -> CollectorConfig:
     """Parse, validate and resolve the file; TargetConfigError with one line naming the first problem."""
     path = Path(path)
-    try:
-        document = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise TargetConfigError(f"targets file not found: {path}") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise TargetConfigError(f"cannot read targets file {path}: {str(exc).splitlines()[0]}") from None
+    document = read_yaml(path, "targets", TargetConfigError)
     if not isinstance(document, dict):
         raise TargetConfigError(f"{path}: expected a mapping with a 'targets' list")
     try:

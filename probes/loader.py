@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -105,15 +105,21 @@ def _describe(error: ValidationError, index: int, raw: object) -> str:
     return f"probe {name}: {where}: {first['msg']}"
 
 
+def read_yaml(path: Path, what: str, error: type[Exception]) -> Any:
+    """The parsed YAML document of `path`; `error` with one line naming `what` file when it is missing or
+    unreadable. Shared by every versioned input file (probes here, the collector's targets)."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{what} file not found: {path}") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise error(f"cannot read {what} file {path}: {str(exc).splitlines()[0]}") from None
+
+
 def load_probes(path: Path | str = DEFAULT_PROBES_PATH) -> ProbeSet:
     """Parse and validate; raise ProbeFileError with a one-line reason on any problem."""
     path = Path(path)
-    try:
-        document = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ProbeFileError(f"probes file not found: {path}") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise ProbeFileError(f"cannot read probes file {path}: {str(exc).splitlines()[0]}") from None
+    document = read_yaml(path, "probes", ProbeFileError)
     if not isinstance(document, dict) or not isinstance(document.get("probes"), list):
         raise ProbeFileError(f"{path}: expected a mapping with a 'probes' list")
     probes: list[Probe] = []

@@ -1,40 +1,20 @@
-"""ROI: cost before and after pruning from measured probe data and labelled assumptions."""
+"""ROI: cost before and after pruning from measured probe data and labelled assumptions.
+
+Imports nothing of the engine and no plotting or dataframe library: `prunewatch --help` loads it cheaply."""
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from roi.analysis import projection, sensitivity, waterfall
+from roi.assumptions import Assumptions
+from roi.calculator import calculate
+from roi.costs import Basis, RoiResult, compute
+from roi.errors import NoMeasurementsError, NoTrafficError, RoiError, RoiStoreError
+from roi.inputs import ResolvedInputs, TimeBasis, resolve_inputs
+from roi.measured import MeasuredSummary, Window, summarize
+from roi.provenance import InputValue, Provenance
 
-# The public surface, resolved on first use so `prunewatch --help` (which imports prunewatch.commands.roi) stays fast.
-_EXPORTS = {
-    "Assumptions": "roi.assumptions",
-    "Basis": "roi.costs",
-    "InputValue": "roi.provenance",
-    "MeasuredSummary": "roi.measured",
-    "NoMeasurementsError": "roi.errors",
-    "NoTrafficError": "roi.errors",
-    "Provenance": "roi.provenance",
-    "ResolvedInputs": "roi.inputs",
-    "RoiError": "roi.errors",
-    "RoiResult": "roi.costs",
-    "RoiStoreError": "roi.errors",
-    "TimeBasis": "roi.inputs",
-    "Window": "roi.measured",
-    "calculate": "roi.calculator",
-    "compute": "roi.costs",
-    "projection": "roi.analysis",
-    "resolve_inputs": "roi.inputs",
-    "sensitivity": "roi.analysis",
-    "summarize": "roi.measured",
-    "waterfall": "roi.analysis",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'roi' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__all__ = [
+    "Assumptions", "Basis", "InputValue", "MeasuredSummary", "NoMeasurementsError", "NoTrafficError",
+    "Provenance", "ResolvedInputs", "RoiError", "RoiResult", "RoiStoreError", "TimeBasis", "Window",
+    "calculate", "compute", "projection", "resolve_inputs", "sensitivity", "summarize", "waterfall",
+]
