@@ -70,6 +70,10 @@ class ProbeResult:
     output_text: str | None = None
     device: str | None = None  # where the timings were measured: "cpu", "cuda", ...; None when not reported
     device_name: str | None = None  # e.g. the GPU's or CPU's model name; None when not reported
+    # Timed by the collector on the streamed answer, network included (any HTTP target; None in-process):
+    client_ttft_ms: float | None = None  # request sent -> first content token received
+    client_decode_tokens_per_s: float | None = None  # (completion tokens - 1) / (last token - first token)
+    baseline: bool = False  # a dense run (sensitivity 0) made on purpose to time the dense model on this target
 
     @property
     def ok(self) -> bool:

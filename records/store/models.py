@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -92,6 +92,9 @@ class ProbeResultRow(Base):
     output_text: Mapped[str | None] = mapped_column(Text)
     device: Mapped[str | None] = mapped_column(String(16))  # where timings were measured: cpu, cuda, ...
     device_name: Mapped[str | None] = mapped_column(String(128))
+    client_ttft_ms: Mapped[float | None] = mapped_column(Float)  # timed by the collector, network included
+    client_decode_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    baseline: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (
         Index("ix_probe_results_created_at", "created_at"),

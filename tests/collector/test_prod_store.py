@@ -30,15 +30,15 @@ def assert_schema_equals_models(engine) -> None:
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     assert {ix["name"] for ix in inspect(engine).get_indexes("probe_results")} == QUERY_INDEXES
-    assert current_revision(engine) == head_revision() == "0004"
+    assert current_revision(engine) == head_revision() == "0005"
 
 
 @pytest.mark.integration
 def test_postgres_upgrade_from_empty_then_again(postgres):
     engine = connect(fresh_database(postgres))
     assert current_revision(engine) is None
-    assert upgrade(engine) == (None, "0004")
-    assert upgrade(engine) == ("0004", "0004")  # idempotent
+    assert upgrade(engine) == (None, "0005")
+    assert upgrade(engine) == ("0005", "0005")  # idempotent
     assert_schema_equals_models(engine)
     with engine.connect() as connection:  # timestamps are zone-aware in PostgreSQL
         kinds = set(connection.execute(text(
@@ -56,7 +56,9 @@ def test_postgres_step_by_step_and_downgrade(postgres):
     assert "decode_pruning_ratio" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
     assert upgrade(engine, "0003") == ("0002", "0003")
     assert "device" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
-    assert upgrade(engine) == ("0003", "0004")
+    assert upgrade(engine, "0004") == ("0003", "0004")
+    assert "baseline" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
+    assert upgrade(engine) == ("0004", "0005")
     assert_schema_equals_models(engine)
     engine.dispose()
 
@@ -77,7 +79,8 @@ def test_store_made_before_migrations_is_adopted(tmp_path):
         repo.start_round(round_id=result.round_id, target="t", model="m", started_at=NOW, probe_set_digest="d")
         repo.add(result)
     with engine.begin() as connection:  # nor 0003's and 0004's columns (the row written above has them NULL)
-        for column in ("prefill_pruning_ratio", "decode_pruning_ratio", "quality_ms", "device", "device_name"):
+        for column in ("prefill_pruning_ratio", "decode_pruning_ratio", "quality_ms", "device", "device_name",
+                       "client_ttft_ms", "client_decode_tokens_per_s", "baseline"):
             connection.execute(text(f"ALTER TABLE probe_results DROP COLUMN {column}"))
         connection.execute(text("DROP INDEX ix_collector_rounds_status_target"))
         connection.execute(text("ALTER TABLE collector_rounds DROP COLUMN status"))
@@ -99,12 +102,19 @@ def check_0004_upgrade(url: str) -> None:
                 "INSERT INTO collector_rounds (round_id, target, model, started_at, finished_at, probes_ok, "
                 "probes_failed, probe_set_digest) VALUES (:id, 't', 'm', :started, :finished, 3, 0, 'd')"),
                 dict(id=round_id, started=NOW - timedelta(minutes=5), finished=finished))
-    assert upgrade(engine) == ("0003", "0004")
+    assert upgrade(engine, "0004") == ("0003", "0004")
     assert sorted(count_rows(url, "SELECT round_id, status FROM collector_rounds")) == [
         ("d" * 32, "complete"), ("o" * 32, "running")]
     assert downgrade(engine, "0003") == ("0004", "0003")  # drops what 0004 added; upgrading again restores it
     assert "status" not in {c["name"] for c in inspect(engine).get_columns("collector_rounds")}
-    assert upgrade(engine) == ("0003", "0004")
+    assert upgrade(engine, "0004") == ("0003", "0004")
+    with engine.begin() as connection:  # a result stored before 0005: no client timings, not a baseline
+        connection.execute(text(
+            "INSERT INTO probe_results (result_id, round_id, created_at, target, model, probe_id, probe_version, "
+            "probe_hash, domain, status) VALUES ('r', :round, :at, 't', 'm', 'p', 1, 'h', 'legal', 'ok')"),
+            dict(round=("d" * 32), at=NOW))
+    assert upgrade(engine) == ("0004", "0005")
+    assert count_rows(url, "SELECT baseline, client_ttft_ms FROM probe_results") in ([(False, None)], [(0, None)])
     assert_schema_equals_models(engine)
     engine.dispose()
 
@@ -187,9 +197,9 @@ def test_db_commands_against_postgres(postgres):
     runner = CliRunner()
     first = runner.invoke(cli(), ["db", "upgrade", "--db", url])
     assert first.exit_code == 0, first.output
-    assert "schema empty -> 0004" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
+    assert "schema empty -> 0005" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
     again = runner.invoke(cli(), ["db", "upgrade", "--db", url])
-    assert "schema 0004 -> 0004 (already current)" in again.output
+    assert "schema 0005 -> 0005 (already current)" in again.output
     engine = connect(url)
     seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
     engine.dispose()
