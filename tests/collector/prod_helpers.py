@@ -17,6 +17,7 @@ from sqlalchemy import text
 from engine.stats import GenerationResult, RequestStats
 from probes import Probe, ProbeSet
 from records.store import connect
+from services import PUSHGATEWAY_BINARIES, find_binary, free_port, launch, stop, wait_for_http, which_binary
 
 PROBES = ProbeSet(tuple(
     Probe(id=f"{domain}-{i}", domain=domain, version=1, max_tokens=4, system="", prompt=f"{domain} question {i}")
@@ -170,41 +171,22 @@ def baseline_server(delay_s: float = 0.0) -> Iterator[tuple[str, list]]:
         thread.join(10)
 
 
-PUSHGATEWAY_BINARIES = ("prometheus-pushgateway", "pushgateway")
-
-
 def pushgateway_binary() -> str | None:
-    import shutil
-
-    return next((found for name in PUSHGATEWAY_BINARIES if (found := shutil.which(name))), None)
+    return which_binary(PUSHGATEWAY_BINARIES)
 
 
 @contextmanager
 def pushgateway_server(workdir: Path) -> Iterator[str]:
     """A real Pushgateway on a free 127.0.0.1 port (Debian: prometheus-pushgateway); yields its URL."""
-    import subprocess
-
-    from tests.support.servers import free_port, wait_for_http
-
-    binary = pushgateway_binary()
-    if binary is None:
-        raise FileNotFoundError("pushgateway not installed (apt-get install prometheus-pushgateway)")
+    binary = find_binary(PUSHGATEWAY_BINARIES, "prometheus-pushgateway", "pushgateway")
     port = free_port()
-    log = (workdir / "pushgateway.log").open("w")
-    process = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}",
-                                f"--persistence.file={workdir / 'pushgateway.data'}"],
-                               stdout=log, stderr=subprocess.STDOUT)
+    record = launch("pushgateway", [binary, f"--web.listen-address=127.0.0.1:{port}",
+                                    f"--persistence.file={workdir / 'pushgateway.data'}"], workdir / "pushgateway.log")
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/-/ready", 30)
+        wait_for_http(record, f"http://127.0.0.1:{port}/-/ready", 30)
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        log.close()
+        stop([record], 10)
 
 
 def main(argv: list[str] | None = None) -> None:
