@@ -74,18 +74,22 @@ def _string_map(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple((k, str(v)) for k, v in value.items())
 
 
-def load_rules(path: Path, lookback_s: float = 300.0) -> RuleFile:
-    """Read `path`; raise `RuleFileError` for a broken file, list unsupported rules in the result."""
+def read_rule_groups(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(group name, raw rule) for every rule of a Prometheus rule file, in file order.
+
+    The one reader of rules.yml: the evaluator (load_rules) and the dashboards (dashboards/rules.py)
+    build their views from it. Raises `RuleFileError` for a file that is missing, not YAML, or not
+    shaped like rule groups of alerting / recording rules with an `expr` each.
+    """
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise RuleFileError(f"cannot read rule file {path}: {exc.strerror or exc}") from exc
     except yaml.YAMLError as exc:
         raise RuleFileError(f"rule file {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("groups"), list):
         raise RuleFileError(f"rule file {path} has no 'groups' list")
-    result = RuleFile(path=Path(path))
-    pending: list[tuple[str, dict[str, Any]]] = []
+    rules: list[tuple[str, dict[str, Any]]] = []
     for group in data["groups"]:
         if not isinstance(group, dict) or not isinstance(group.get("rules"), list):
             raise RuleFileError(f"rule file {path}: every group needs a name and a 'rules' list")
@@ -93,17 +97,26 @@ def load_rules(path: Path, lookback_s: float = 300.0) -> RuleFile:
         for raw in group["rules"]:
             if not isinstance(raw, dict) or not isinstance(raw.get("expr"), str):
                 raise RuleFileError(f"rule file {path}, group {group_name}: every rule needs an 'expr' string")
-            if "record" in raw:
-                try:
-                    node = parse(raw["expr"])
-                except (PromQLSyntaxError, UnsupportedExpression):
-                    continue  # a recording rule only matters if an alert uses it, which is then reported
-                result.recorded.setdefault(str(raw["record"]), []).append(
-                    RecordedRule(str(raw["record"]), node, _string_map(raw.get("labels"), "labels")))
-            elif "alert" in raw:
-                pending.append((group_name, raw))
-            else:
+            if "record" not in raw and "alert" not in raw:
                 raise RuleFileError(f"rule file {path}, group {group_name}: a rule needs 'alert' or 'record'")
+            rules.append((group_name, raw))
+    return rules
+
+
+def load_rules(path: Path, lookback_s: float = 300.0) -> RuleFile:
+    """Read `path`; raise `RuleFileError` for a broken file, list unsupported rules in the result."""
+    result = RuleFile(path=Path(path))
+    pending: list[tuple[str, dict[str, Any]]] = []
+    for group_name, raw in read_rule_groups(path):
+        if "record" in raw:
+            try:
+                node = parse(raw["expr"])
+            except (PromQLSyntaxError, UnsupportedExpression):
+                continue  # a recording rule only matters if an alert uses it, which is then reported
+            result.recorded.setdefault(str(raw["record"]), []).append(
+                RecordedRule(str(raw["record"]), node, _string_map(raw.get("labels"), "labels")))
+        else:
+            pending.append((group_name, raw))
     for group_name, raw in pending:
         rule_or_reason = _alert_rule(group_name, raw, result, lookback_s)
         if isinstance(rule_or_reason, AlertRule):

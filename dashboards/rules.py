@@ -12,15 +12,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
-
+from alerts.ruleset import RuleFileError, read_rule_groups
 from alerts.settings import RULES_PATH
 
 _BUCKET_LABEL = re.compile(r"^([\[(])\s*([0-9.]+)\s*,\s*([0-9.]+)\s*([\])])$")
-
-
-class RuleFileError(ValueError):
-    """The rule file lacks something a panel needs; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +30,9 @@ class RatioBucket:
 
 
 @dataclass(frozen=True)
-class RuleFile:
+class RecordedFigures:
+    """What the panels read from the rule file (alerts.ruleset reads it): recorded series, buckets, alert names."""
+
     recording: dict[str, str]  # expression -> recorded series name
     bucket_metric: str  # recorded series holding per-bucket probe counts
     buckets: tuple[RatioBucket, ...]  # ascending, contiguous
@@ -57,32 +54,27 @@ def _check_contiguous(buckets: list[RatioBucket]) -> None:
 
 
 @lru_cache(maxsize=4)
-def load_rule_file(path: Path = RULES_PATH) -> RuleFile:
-    """Parse the rule file once; raises RuleFileError when it has no recording rules or buckets."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise RuleFileError(f"cannot read the alert rule file {path}: {exc}") from exc
+def load_rule_file(path: Path = RULES_PATH) -> RecordedFigures:
+    """Read the rule file once; raises RuleFileError when it has no recording rules or buckets."""
     recording: dict[str, str] = {}
     bucket_metrics: set[str] = set()
     buckets: list[RatioBucket] = []
     alert_names: list[str] = []
-    for group in data.get("groups", []):
-        for rule in group.get("rules", []):
-            if "record" in rule:
-                bucket = (rule.get("labels") or {}).get("bucket")
-                if bucket is None:
-                    recording[" ".join(rule["expr"].split())] = rule["record"]
-                else:
-                    bucket_metrics.add(rule["record"])
-                    buckets.append(parse_bucket(bucket))
-            elif "alert" in rule and rule["alert"] not in alert_names:
-                alert_names.append(rule["alert"])
+    for _group, rule in read_rule_groups(path):
+        if "record" in rule:
+            bucket = (rule.get("labels") or {}).get("bucket")
+            if bucket is None:
+                recording[" ".join(rule["expr"].split())] = rule["record"]
+            else:
+                bucket_metrics.add(rule["record"])
+                buckets.append(parse_bucket(bucket))
+        elif rule["alert"] not in alert_names:
+            alert_names.append(rule["alert"])
     if len(bucket_metrics) != 1 or not buckets:
         raise RuleFileError(f"{path} must record ratio-bucket counts under one series name with a bucket label")
     buckets.sort(key=lambda b: b.low)
     _check_contiguous(buckets)
-    return RuleFile(recording=recording, bucket_metric=bucket_metrics.pop(), buckets=tuple(buckets),
+    return RecordedFigures(recording=recording, bucket_metric=bucket_metrics.pop(), buckets=tuple(buckets),
                     alert_names=tuple(alert_names))
 
 
