@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 from prometheus_client.utils import floatToGoString
 
@@ -96,10 +96,6 @@ def counter_names() -> set[str]:
     return names
 
 
-def _labels(family: ResultFamily) -> Callable[[ProbeResult], dict[str, str]]:
-    return lambda r: dict(zip(family.labels, family.label_values(r)))
-
-
 class StoreSeries:
     """Series of every metric family derivable from `results`, built once per family on demand."""
 
@@ -122,7 +118,7 @@ class StoreSeries:
             spec = GAUGES[metric]
             groups: dict[tuple[tuple[str, str], ...], GaugeSeries] = {}
             for r in self.results:
-                if spec.ok_only and not r.ok:
+                if not spec.applies_to(r):
                     continue
                 value = spec.value(r)
                 if value is None:
@@ -141,19 +137,17 @@ class StoreSeries:
             self._counters[metric] = self._build_counters(metric)
         return self._counters[metric]
 
-    def _observations(self, labels: Callable[[ProbeResult], dict[str, str] | None],
-                      value: Callable[[ProbeResult], float | None], ok_only: bool
+    def _observations(self, spec: ResultFamily
                       ) -> dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]]:
         """(times, values) of the results each label set saw, in one pass over the results."""
         groups: dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]] = {}
         for r in self.results:
-            if ok_only and not r.ok:
+            if not spec.applies_to(r):
                 continue
-            observed = value(r)
-            names = labels(r) if observed is not None else None
-            if names is None:
+            observed = spec.value(r)
+            if observed is None:
                 continue
-            key = tuple(names.items())
+            key = tuple(zip(spec.labels, spec.label_values(r)))
             entry = groups.get(key)
             if entry is None:
                 entry = groups[key] = ([], [])
@@ -167,11 +161,11 @@ class StoreSeries:
 
         if metric in COUNTERS:
             spec = COUNTERS[metric]
-            groups = self._observations(_labels(spec), spec.value, spec.ok_only)
+            groups = self._observations(spec)
             return [series(dict(key), times, values) for key, (times, values) in groups.items()]
         family, _, suffix = metric.rpartition("_")
         spec = HISTOGRAMS[family]
-        groups = self._observations(_labels(spec), spec.value, spec.ok_only)
+        groups = self._observations(spec)
         out: list[CounterSeries] = []
         for key, (times, values) in groups.items():
             labels = dict(key)

@@ -1,18 +1,24 @@
-"""Targets over HTTP: prunewatch engines and plain OpenAI-compatible servers (vLLM, TGI) as baselines.
+"""Targets over HTTP: prunewatch engines and plain OpenAI-compatible servers (vLLM, TGI, llama.cpp) as baselines.
 
-A probe is one non-streamed `POST {base}/v1/chat/completions`. A prunewatch engine is asked for
-the target's sensitivity with `X-Pruning-Sensitivity` and answers with its measured pruning
-figures in the `X-Pruning-*` / `X-Prunewatch-*-Ms` headers and the body's `prunewatch` object.
+A probe is one streamed `POST {base}/v1/chat/completions` (`stream_options.include_usage`). The
+collector times the stream itself: time to the first content token and decode tokens/s (completion
+tokens after the first over the time between first and last token), network included, recorded as
+client_ttft_ms / client_decode_tokens_per_s next to whatever the server reports. A prunewatch engine
+is asked for the target's sensitivity with `X-Pruning-Sensitivity` and sends its measured pruning
+figures in the final chunk's `prunewatch` object (and the `X-Pruning-*` headers when not streamed).
 A baseline server sends none of them: its ratio and engine-side timings are recorded as absent
-(NULL), never as 0, and its only latency is the probe duration the collector measures itself.
+(NULL), never as 0; its latency is what the collector measured. A server that ignores `stream`
+and answers with one JSON body is read as such (no client TTFT then).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import httpx
 
@@ -125,12 +131,21 @@ def observation_from_response(response: httpx.Response, *, configured_model: str
     """Read body, pruning headers and the `prunewatch` body object; absent figures stay None."""
     try:
         body = response.json()
+    except ValueError as exc:
+        raise TargetProtocolError(f"not a chat completion: {type(exc).__name__}: {str(exc)[:200]}") from None
+    return observation_from_body(body, response.headers, configured_model=configured_model,
+                                 requested_sensitivity=requested_sensitivity)
+
+
+def observation_from_body(body: Any, headers: Mapping[str, str], *, configured_model: str,
+                          requested_sensitivity: float | None) -> HttpObservation:
+    """A chat completion body (and the response's pruning headers) as figures; absent ones stay None."""
+    try:
         text = body["choices"][0]["message"]["content"] or ""
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+    except (KeyError, IndexError, TypeError) as exc:
         raise TargetProtocolError(f"not a chat completion: {type(exc).__name__}: {str(exc)[:200]}") from None
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
     stats = body.get("prunewatch") if isinstance(body.get("prunewatch"), dict) else {}
-    headers = response.headers
     header_stats = parse_stats_header(headers.get(STATS_HEADER))
     ratio = _float(stats.get("pruning_ratio"))
     if ratio is None:
@@ -176,12 +191,82 @@ def observation_from_response(response: httpx.Response, *, configured_model: str
     return HttpObservation(model=model, text=text, fields=fields)
 
 
+@dataclass
+class StreamTiming:
+    """When the content of a streamed answer arrived, on this client's clock (time.perf_counter)."""
+
+    started: float
+    first_content: float | None = None
+    last_content: float | None = None
+    content_chunks: int = 0
+
+    def saw_content(self) -> None:
+        now = time.perf_counter()
+        if self.first_content is None:
+            self.first_content = now
+        self.last_content = now
+        self.content_chunks += 1
+
+    def ttft_ms(self) -> float | None:
+        return None if self.first_content is None else round((self.first_content - self.started) * 1000, 3)
+
+    def decode_tokens_per_s(self, completion_tokens: int | None) -> float | None:
+        """Tokens after the first over the time from first to last content: None when that is not measurable."""
+        if not completion_tokens or completion_tokens < 2 or self.first_content is None or self.last_content is None:
+            return None
+        span = self.last_content - self.first_content
+        return round((completion_tokens - 1) / span, 3) if span > 0 else None
+
+
+def read_event_stream(lines: Iterator[str], timing: StreamTiming,
+                      cancel: threading.Event | None = None) -> dict[str, Any]:
+    """Server-sent chat completion chunks folded into one completion body (text, usage, prunewatch, model).
+
+    Content arrival is noted on `timing`; an in-band error (OpenAI's `{"error": ...}` event) raises
+    TargetHTTPError as a server error; a stream that ends without `[DONE]` or any chunk is a protocol error.
+    """
+    pieces: list[str] = []
+    final: dict[str, Any] = {}
+    chunks = 0
+    for line in lines:
+        if cancel is not None and cancel.is_set():
+            raise ProbeCancelledError("the answer was still streaming after the probe's timeout")
+        if not line.startswith("data:"):
+            continue  # comments, event names, keep-alive blank lines
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise TargetProtocolError(f"a stream event is not JSON: {data[:200]}") from None
+        if not isinstance(chunk, dict):
+            raise TargetProtocolError(f"a stream event is not a JSON object: {data[:200]}")
+        if isinstance(chunk.get("error"), dict):
+            raise TargetHTTPError(500, str(chunk["error"].get("message") or chunk["error"])[:300])
+        chunks += 1
+        for key in ("model", "usage", "prunewatch"):
+            if chunk.get(key):
+                final[key] = chunk[key]
+        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
+        delta = choices[0].get("delta") if choices and isinstance(choices[0], dict) else None
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if isinstance(content, str) and content:
+            timing.saw_content()
+            pieces.append(content)
+    if chunks == 0:
+        raise TargetProtocolError("the stream ended without a chat completion chunk")
+    final["choices"] = [{"message": {"content": "".join(pieces)}}]
+    return final
+
+
 class HttpTarget:
     """An engine behind an OpenAI-compatible HTTP API."""
 
     def __init__(self, *, name: str, base_url: str, model: str, kind: TargetKind = "prunewatch",
                  api_key: str | None = None, timeout_s: float = 30.0, sensitivity: float | None = None,
-                 layer_blacklist: Sequence[int] | None = None, transport: httpx.BaseTransport | None = None) -> None:
+                 layer_blacklist: Sequence[int] | None = None, transport: httpx.BaseTransport | None = None,
+                 quality: bool = True) -> None:
         if kind not in ("prunewatch", "openai"):
             raise ValueError(f"kind must be 'prunewatch' or 'openai', got {kind!r}")
         if kind == "openai" and (sensitivity is not None or layer_blacklist):
@@ -193,6 +278,7 @@ class HttpTarget:
         self.timeout_s = timeout_s
         self.sensitivity = sensitivity
         self.layer_blacklist = None if layer_blacklist is None else sorted(set(layer_blacklist))
+        self.quality = quality  # ask a prunewatch engine to score the answer against dense (off for baselines)
         self._api_key = api_key
         self._transport = transport
         self._client: httpx.Client | None = None  # shared: httpx clients are thread-safe, connections pooled
@@ -211,13 +297,14 @@ class HttpTarget:
                     timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 10.0)))
             return self._client
 
-    def with_overrides(self, *, sensitivity: float | None = None,
-                       layer_blacklist: Sequence[int] | None = None) -> "HttpTarget":
+    def with_overrides(self, *, sensitivity: float | None = None, layer_blacklist: Sequence[int] | None = None,
+                       quality: bool | None = None) -> "HttpTarget":
         return HttpTarget(
             name=self.name, base_url=self.base_url, model=self.model, kind=self.kind, api_key=self._api_key,
             timeout_s=self.timeout_s, transport=self._transport,
             sensitivity=self.sensitivity if sensitivity is None else sensitivity,
-            layer_blacklist=self.layer_blacklist if layer_blacklist is None else layer_blacklist)
+            layer_blacklist=self.layer_blacklist if layer_blacklist is None else layer_blacklist,
+            quality=self.quality if quality is None else quality)
 
     def pruning_headers(self) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -226,7 +313,8 @@ class HttpTarget:
                 headers[SENSITIVITY_HEADER] = repr(float(self.sensitivity))
             if self.layer_blacklist:
                 headers[BLACKLIST_HEADER] = ",".join(str(i) for i in self.layer_blacklist)
-            headers[QUALITY_HEADER] = "on"  # every probe is scored against the dense model
+            if self.quality:
+                headers[QUALITY_HEADER] = "on"  # every probe is scored against the dense model
         return headers
 
     def request(self, method: str, path: str, *, json_body: Mapping[str, Any] | None = None,
@@ -250,14 +338,46 @@ class HttpTarget:
             raise TargetHTTPError(response.status_code, _error_message(response))
         return response
 
+    def stream_chat(self, messages: list[dict[str, str]], max_tokens: int,
+                    cancel: threading.Event | None = None) -> HttpObservation:
+        """One streamed chat completion, timed by this client (see the module docstring)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        path = "/v1/chat/completions"
+        started = time.perf_counter()
+        try:
+            with self.client.stream("POST", path, json=body, headers=self.pruning_headers()) as response:
+                if response.status_code >= 300:
+                    response.read()
+                    if response.status_code in (401, 403):
+                        raise TargetAuthError(f"HTTP {response.status_code}: {_error_message(response)}")
+                    raise TargetHTTPError(response.status_code, _error_message(response))
+                if "text/event-stream" not in response.headers.get("content-type", ""):
+                    response.read()  # the server ignored `stream`: one JSON body, no client TTFT
+                    return observation_from_response(response, configured_model=self.model,
+                                                     requested_sensitivity=self.sensitivity)
+                timing = StreamTiming(started)
+                final = read_event_stream(response.iter_lines(), timing, cancel)
+                headers = response.headers
+        except httpx.TimeoutException as exc:
+            raise ProbeTimeoutError(f"POST {self.base_url}{path}: no answer within {self.timeout_s}s "
+                                    f"({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise TargetUnreachableError(f"POST {self.base_url}{path}: {type(exc).__name__}: {exc}") from None
+        observation = observation_from_body(final, headers, configured_model=self.model,
+                                            requested_sensitivity=self.sensitivity)
+        tokens = observation.fields.get("completion_tokens") or timing.content_chunks
+        observation.fields["client_ttft_ms"] = timing.ttft_ms()
+        observation.fields["client_decode_tokens_per_s"] = timing.decode_tokens_per_s(tokens)
+        return observation
+
     def run_probe(self, probe: Probe, cancel: threading.Event | None = None) -> HttpObservation:
         messages = ([{"role": "system", "content": probe.system}] if probe.system else []) + [
             {"role": "user", "content": probe.prompt}]
-        response = self.chat(messages, probe.max_tokens)
+        observation = self.stream_chat(messages, probe.max_tokens, cancel)
         if cancel is not None and cancel.is_set():
             raise ProbeCancelledError(f"probe {probe.id} answered after its timeout")
-        return observation_from_response(response, configured_model=self.model,
-                                         requested_sensitivity=self.sensitivity)
+        return observation
 
     def list_models(self) -> list[str]:
         """Model ids of GET /v1/models (doctor's "model listed" check)."""

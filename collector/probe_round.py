@@ -83,13 +83,36 @@ def _probe_once(target: Target, probe, timeout_s: float | None):
     return call_with_deadline(call, timeout_s, label=f"probe {probe.id} on {target.name}")
 
 
+def _probe_result(target: Target, probe, round_id: str, timeout_s: float | None
+                  ) -> tuple[ProbeResult, threading.Thread | None]:
+    """One probe as a result (a failure is a result too), and the worker left running if it timed out."""
+    began = time.perf_counter()
+    try:
+        generated = _probe_once(target, probe, timeout_s)
+        duration_ms = round((time.perf_counter() - began) * 1000, 3)
+        if isinstance(generated, GenerationResult):
+            return probe_result_from_stats(target=target.name, probe=probe, round_id=round_id, stats=generated.stats,
+                                           text=generated.text, duration_ms=duration_ms,
+                                           device_name=getattr(target, "device_name", None)), None
+        return generated.to_result(target=target.name, probe=probe, round_id=round_id, duration_ms=duration_ms), None
+    except Exception as exc:  # a failed probe is data, not a crash
+        reason = classify_failure(exc)
+        logger.warning("probe %s on %s failed (%s): %s", probe.id, target.name, reason, exc)
+        result = ProbeResult.failure(target=target.name, model=target.model, probe=probe, round_id=round_id,
+                                     reason=reason, message=f"{type(exc).__name__}: {exc}",
+                                     duration_ms=round((time.perf_counter() - began) * 1000, 3))
+        return result, exc.worker if isinstance(exc, DeadlineExceeded) else None
+
+
 def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter],
               stop: threading.Event | None = None, *, timeout_s: float | None = None,
-              cancel_grace_s: float = 5.0) -> RoundSummary:
+              cancel_grace_s: float = 5.0, baseline: bool = False) -> RoundSummary:
     """Run every probe once. A failed probe becomes a failure result; `stop` ends between probes.
 
     With `timeout_s`, a probe that overruns it is cancelled and recorded as a `timeout` failure;
-    an answer that arrives later is dropped, so each probe yields exactly one result.
+    an answer that arrives later is dropped, so each probe yields exactly one result. With
+    `baseline`, each probe then runs once more dense (sensitivity 0) on the same target, stored with
+    `baseline` set: the dense time of the same prompts on the same engine, measured in the same round.
     """
     summary = RoundSummary(round_id=uuid.uuid4().hex, target=target.name)
     round_aware = [e for e in exporters if hasattr(e, "start_round")]
@@ -101,29 +124,15 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
         except Exception:
             summary.export_errors += 1
             logger.exception("could not record the start of round %s", summary.round_id)
-    for probe in probe_set.probes:
+    runs = [(target, probe, False) for probe in probe_set.probes]
+    if baseline:  # dense on the same engine, no quality check (it would compare dense with itself)
+        dense = target.with_overrides(sensitivity=0.0, quality=False)  # type: ignore[attr-defined]
+        runs += [(dense, probe, True) for probe in probe_set.probes]
+    for runner, probe, is_baseline in runs:
         if stop is not None and stop.is_set():
             break
-        began = time.perf_counter()
-        abandoned: threading.Thread | None = None
-        try:
-            generated = _probe_once(target, probe, timeout_s)
-            duration_ms = round((time.perf_counter() - began) * 1000, 3)
-            if isinstance(generated, GenerationResult):
-                result = probe_result_from_stats(target=target.name, probe=probe, round_id=summary.round_id,
-                                                 stats=generated.stats, text=generated.text, duration_ms=duration_ms,
-                                                 device_name=getattr(target, "device_name", None))
-            else:
-                result = generated.to_result(target=target.name, probe=probe, round_id=summary.round_id,
-                                             duration_ms=duration_ms)
-        except Exception as exc:  # a failed probe is data, not a crash
-            if isinstance(exc, DeadlineExceeded):
-                abandoned = exc.worker
-            reason = classify_failure(exc)
-            logger.warning("probe %s on %s failed (%s): %s", probe.id, target.name, reason, exc)
-            result = ProbeResult.failure(target=target.name, model=target.model, probe=probe,
-                                         round_id=summary.round_id, reason=reason, message=f"{type(exc).__name__}: {exc}",
-                                         duration_ms=round((time.perf_counter() - began) * 1000, 3))
+        result, abandoned = _probe_result(runner, probe, summary.round_id, timeout_s)
+        result.baseline = is_baseline
         summary.results.append(result)
         summary.export_errors += _export(exporters, result)
         if abandoned is not None:  # let a cancelled probe wind down so the next one does not compete with it

@@ -35,6 +35,7 @@ class TargetJob:
     timeout_s: float | None = None  # None: no deadline (the embedded default)
     jitter_s: float = 0.0
     first_delay_s: float = 0.0  # spread first rounds too when many targets start at once
+    baseline_every: int | None = None  # every N rounds (the first included) also probe dense: a measured baseline
 
 
 class ProbeScheduler:
@@ -85,7 +86,10 @@ class ProbeScheduler:
         with self._lock:
             if self.stop_event.is_set() or (self.rounds is not None and self.rounds_by_target[name] >= self.rounds):
                 return
-        summary = run_round(job.target, job.probe_set, self.exporters, stop=self.stop_event, timeout_s=job.timeout_s)
+        with self._lock:
+            baseline = job.baseline_every is not None and self.rounds_by_target[name] % job.baseline_every == 0
+        summary = run_round(job.target, job.probe_set, self.exporters, stop=self.stop_event, timeout_s=job.timeout_s,
+                            baseline=baseline)
         with self._lock:
             self.completed_rounds += 1
             self.rounds_by_target[name] += 1

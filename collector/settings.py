@@ -34,6 +34,10 @@ class CollectorSettings(BaseSettings):
         description="Activation-sparsity target at sensitivity 1; None keeps the engine's default, 0 turns it off.")
     probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Canonical probes YAML.")
     target_name: str = Field("embedded", min_length=1, max_length=128, description="Label of the target.")
+    baseline_every: int | None = Field(
+        None, ge=1, le=100_000,
+        description="Every N rounds (the first included) also run each probe dense (sensitivity 0), stored as a "
+                    "baseline: the measured 'before' of the ROI report. None: never.")
     alerts: bool = Field(True, description="Evaluate alerts/rules.yml over the store after each round (no Prometheus).")
     misfire_grace_s: float = Field(
         60.0, ge=1.0, description="A round that starts this late is still run (then coalesced)."

@@ -64,6 +64,15 @@ def build_overview(settings: DashboardSettings) -> Json:
         ds.postgres, [pg("A", sql.LATENCY_VS_RATIO, table=True)],
         x_field="pruning ratio", line_fields=("least-squares trend ms",), unit="ms", x_unit="percentunit",
         width=12))
+    layout.add(timeseries(
+        "Inference latency, pruned vs dense baseline (measured, p50)",
+        "Median prefill + decode time per target and domain, as the engine measured it: probes at the "
+        "target's sensitivity (pruned) against the dense baseline runs the collector makes on the same "
+        "engine every `baseline_every` rounds (sensitivity 0, same prompts). No dense line: the target has "
+        "no baseline runs configured.",
+        p, [prom("A", promql.INFERENCE_P50_PRUNED_BY_TARGET, "{{target}} · {{domain}} · pruned"),
+            prom("B", promql.INFERENCE_P50_DENSE_BY_TARGET, "{{target}} · {{domain}} · dense")],
+        unit="s", width=24, minimum=0))
     layout.add(stat(
         "Cost savings (estimated from configured prices)",
         "Formulas over the dashboard variables (configured prices, editable above) and measured figures: "

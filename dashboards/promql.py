@@ -131,6 +131,16 @@ PHASE_RATIOS = {  # measured per phase, last probe per (model, domain, probe), a
     "decode": scoped(PROMQL_DECODE_RATIO_BY_DOMAIN),
 }
 INFERENCE_P50 = _quantile(0.5, "prunewatch_inference_latency_seconds", "5m")  # the recorded p99's window
+_TARGET_DOMAIN = 'model=~"$model", domain=~"$domain", target=~"$target"'
+
+
+def _median_by_target(metric: str) -> str:
+    return (f"histogram_quantile(0.5, sum by (le, target, domain) "
+            f"(rate({metric}_bucket{{{_TARGET_DOMAIN}}}[$__rate_interval])))")
+
+
+INFERENCE_P50_PRUNED_BY_TARGET = _median_by_target("prunewatch_inference_latency_seconds")
+INFERENCE_P50_DENSE_BY_TARGET = _median_by_target("prunewatch_dense_inference_latency_seconds")
 TTFT_P50 = _quantile(0.5, "prunewatch_time_to_first_token_seconds")
 TTFT_P95 = _quantile(0.95, "prunewatch_time_to_first_token_seconds")
 TOKENS_PER_SECOND = f"avg by (model, domain) (prunewatch_tokens_per_second{{{MODEL_DOMAIN}}})"

@@ -13,6 +13,9 @@ SCOPE = "model IN ($model) AND domain IN ($domain) AND target IN ($target)"
 """The template-variable filter every probe_results query applies."""
 
 WHERE = f"$__timeFilter(created_at) AND {SCOPE}"
+PRUNED = f"{WHERE} AND NOT baseline"
+"""Probe results of the pruned configuration only: dense baseline runs (sensitivity 0) would pull every
+ratio, latency and quality figure toward the dense model's."""
 TIME_BUCKET = "$__timeGroupAlias(created_at, $__interval)"
 
 
@@ -31,7 +34,7 @@ def ratio_bucket_counts(buckets: tuple[RatioBucket, ...]) -> str:
     return _lines(
         f"SELECT {ratio_bucket_case(buckets)} AS bucket, count(*) AS probes",
         "FROM probe_results",
-        f"WHERE {WHERE} AND status = 'ok' AND pruning_ratio IS NOT NULL",
+        f"WHERE {PRUNED} AND status = 'ok' AND pruning_ratio IS NOT NULL",
         "GROUP BY 1 ORDER BY min(pruning_ratio)",
     )
 
@@ -43,7 +46,7 @@ LATENCY_VS_RATIO = _lines(
     "  regr_intercept(inference_ms, pruning_ratio) OVER ()",
     "    + regr_slope(inference_ms, pruning_ratio) OVER () * pruning_ratio AS \"least-squares trend ms\"",
     "FROM probe_results",
-    f"WHERE {WHERE} AND status = 'ok' AND pruning_ratio IS NOT NULL AND inference_ms IS NOT NULL",
+    f"WHERE {PRUNED} AND status = 'ok' AND pruning_ratio IS NOT NULL AND inference_ms IS NOT NULL",
     "ORDER BY 1",
 )
 
@@ -65,7 +68,7 @@ FALLBACKS = _lines(
 RATIO_BY_DOMAIN = _lines(
     f"SELECT {TIME_BUCKET}, domain AS metric, avg(pruning_ratio) AS value",
     "FROM probe_results",
-    f"WHERE {WHERE} AND status = 'ok' AND pruning_ratio IS NOT NULL",
+    f"WHERE {PRUNED} AND status = 'ok' AND pruning_ratio IS NOT NULL",
     "GROUP BY 1, 2 ORDER BY 1",
 )
 LATENCY_PHASES = _lines(
@@ -74,19 +77,19 @@ LATENCY_PHASES = _lines(
     "  avg(inference_ms) AS \"inference\",",
     "  avg(postprocessing_ms) AS \"postprocessing\"",
     "FROM probe_results",
-    f"WHERE {WHERE} AND status = 'ok'",
+    f"WHERE {PRUNED} AND status = 'ok'",
     "GROUP BY 1 ORDER BY 1",
 )
 TOKEN_AGREEMENT = _lines(
     f"SELECT {TIME_BUCKET}, domain AS metric, avg(token_agreement) AS value",
     "FROM probe_results",
-    f"WHERE {WHERE} AND status = 'ok' AND token_agreement IS NOT NULL",
+    f"WHERE {PRUNED} AND status = 'ok' AND token_agreement IS NOT NULL",
     "GROUP BY 1, 2 ORDER BY 1",
 )
 PERPLEXITY_DELTA = _lines(
     f"SELECT {TIME_BUCKET}, domain AS metric, avg(perplexity_delta_pct) AS value",
     "FROM probe_results",
-    f"WHERE {WHERE} AND status = 'ok' AND perplexity_delta_pct IS NOT NULL",
+    f"WHERE {PRUNED} AND status = 'ok' AND perplexity_delta_pct IS NOT NULL",
     "GROUP BY 1, 2 ORDER BY 1",
 )
 OUTCOMES = _lines(
@@ -106,12 +109,14 @@ BY_PROBE_VERSION = _lines(
     "SELECT probe_id, probe_version, probe_hash, domain, count(*) AS results,",
     "  avg(pruning_ratio) AS mean_ratio, avg(token_agreement) AS mean_agreement, avg(inference_ms) AS mean_inference_ms",
     "FROM probe_results",
-    f"WHERE {WHERE} AND status = 'ok'",
+    f"WHERE {PRUNED} AND status = 'ok'",
     "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2",
 )
 RECENT_RESULTS = _lines(
     "SELECT created_at AS \"time\", target, model, domain, probe_id, probe_version, status, failure_reason,",
-    "  pruning_ratio, inference_ms, ttft_ms, tokens_per_s, token_agreement, fallback_reason",
+    "  CASE WHEN baseline THEN 'dense baseline' ELSE 'pruned' END AS run, sensitivity,",
+    "  pruning_ratio, inference_ms, ttft_ms, client_ttft_ms, tokens_per_s, client_decode_tokens_per_s,",
+    "  token_agreement, fallback_reason",
     "FROM probe_results",
     f"WHERE {WHERE}",
     "ORDER BY created_at DESC LIMIT 200",

@@ -22,6 +22,8 @@ PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
 # Whole probes as the collector sees them: a CPU probe with its quality check takes seconds, a
 # timed-out one up to the target's timeout.
 PROBE_DURATION_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Time to first token as the collector sees it: network and queueing included, a CPU engine's prefill too.
+CLIENT_TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 def check_metric_name(name: str) -> str:
@@ -59,6 +61,13 @@ class ResultFamily:
     buckets: tuple[float, ...] = ()
     ok_only: bool = True  # failed results leave the family alone
     per_probe: bool = False  # bookkeeping of the prober (results, failures, wall time, last success): no live traffic
+    runs: Literal["pruned", "baseline", "any"] = "pruned"  # which runs feed it: dense baselines have their own
+
+    def applies_to(self, result: ProbeResult, *, live: bool = False) -> bool:
+        """Whether `result` feeds this family at all (its value may still be absent)."""
+        if (self.ok_only and not result.ok) or (live and self.per_probe):
+            return False
+        return self.runs == "any" or (self.runs == "baseline") == result.baseline
 
     @property
     def exposed(self) -> str:
@@ -87,9 +96,9 @@ RESULT_FAMILIES: tuple[ResultFamily, ...] = (
                  _DOMAIN, lambda r: r.tokens_per_s),
     ResultFamily("prunewatch_probe_failures", "counter", "Probes that failed, by reason.",
                  ("model", "domain", "reason", "target"), lambda r: None if r.ok else 1.0,
-                 ok_only=False, per_probe=True),
+                 ok_only=False, per_probe=True, runs="any"),
     ResultFamily("prunewatch_probe_results", "counter", "Probe results recorded, by status.",
-                 ("model", "domain", "status", "target"), lambda r: 1.0, ok_only=False, per_probe=True),
+                 ("model", "domain", "status", "target"), lambda r: 1.0, ok_only=False, per_probe=True, runs="any"),
     ResultFamily("prunewatch_preprocessing_latency_seconds", "histogram", "Tokenize + plan time of a probe.",
                  _DOMAIN, lambda r: _seconds(r.preprocessing_ms), PHASE_BUCKETS),
     ResultFamily("prunewatch_postprocessing_latency_seconds", "histogram", "Detokenize + stats time of a probe.",
@@ -107,11 +116,27 @@ RESULT_FAMILIES: tuple[ResultFamily, ...] = (
                  ("model", "domain", "source", "target"), lambda r: r.dram_bytes_per_instruction),
     ResultFamily("prunewatch_last_success_timestamp_seconds", "gauge",
                  "Unix time of the last successful probe per target.", ("model", "target"),
-                 lambda r: r.created_at.timestamp(), per_probe=True),
+                 lambda r: r.created_at.timestamp(), per_probe=True, runs="any"),
     ResultFamily("prunewatch_probe_duration_seconds", "histogram",
                  "Wall time of a whole probe as the collector measured it (any target, baselines included).",
                  ("model", "target", "status"), lambda r: _seconds(r.duration_ms), PROBE_DURATION_BUCKETS,
-                 ok_only=False, per_probe=True),
+                 ok_only=False, per_probe=True, runs="any"),
+    ResultFamily("prunewatch_client_time_to_first_token_seconds", "histogram",
+                 "Probe sent to first content token received, timed by the collector on the stream "
+                 "(network and queueing included; HTTP targets).",
+                 _DOMAIN, lambda r: _seconds(r.client_ttft_ms), CLIENT_TTFT_BUCKETS, per_probe=True),
+    ResultFamily("prunewatch_client_decode_tokens_per_second", "gauge",
+                 "Completion tokens after the first / time from first to last token, timed by the collector on the "
+                 "stream (network included; HTTP targets), last probe.",
+                 _DOMAIN, lambda r: r.client_decode_tokens_per_s, per_probe=True),
+    ResultFamily("prunewatch_dense_inference_latency_seconds", "histogram",
+                 "Prefill + decode wall time of a dense baseline run (sensitivity 0) on the same target, "
+                 "as the engine measured it.",
+                 _DOMAIN, lambda r: _seconds(r.inference_ms), LATENCY_BUCKETS, per_probe=True, runs="baseline"),
+    ResultFamily("prunewatch_dense_client_time_to_first_token_seconds", "histogram",
+                 "Time to first token of a dense baseline run, timed by the collector (network included).",
+                 _DOMAIN, lambda r: _seconds(r.client_ttft_ms), CLIENT_TTFT_BUCKETS, per_probe=True,
+                 runs="baseline"),
 )
 """Every family a probe result feeds, in one table (names checked when CollectorMetrics is built)."""
 
@@ -153,14 +178,15 @@ class CollectorMetrics:
     def count_store_error(self, kind: str) -> None:
         if self.store_write_errors is not None:
             self.store_write_errors.labels(kind).inc()
-            self._changed()
+            self.changed()
 
     def count_dropped(self, results: int) -> None:
         if self.buffer_dropped is not None and results > 0:
             self.buffer_dropped.inc(results)
-            self._changed()
+            self.changed()
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
+        """Bump the state key: a sample this class does not own (e.g. the governor's) moved, re-render /metrics."""
         self._version = next(self._versions)
 
     def state_key(self) -> Hashable:
@@ -179,7 +205,7 @@ class CollectorMetrics:
         """
         try:
             for family in RESULT_FAMILIES:
-                if (family.ok_only and not result.ok) or (live and family.per_probe):
+                if not family.applies_to(result, live=live):
                     continue
                 value = family.value(result)
                 if value is None:
@@ -192,7 +218,7 @@ class CollectorMetrics:
                 else:
                     metric.observe(value)
         finally:
-            self._changed()
+            self.changed()
 
 
 def _build(family: ResultFamily, registry: CollectorRegistry) -> Gauge | Counter | Histogram:

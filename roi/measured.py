@@ -152,6 +152,8 @@ def configuration(result: ProbeResult) -> Configuration | None:
     """Pruned or dense configuration of a successful result; None when it cannot be told (or it failed)."""
     if not result.ok:
         return None
+    if result.baseline:  # a dense run the collector made on purpose on the same target
+        return "dense"
     if result.sensitivity is not None:
         return "pruned" if result.sensitivity > 0 else "dense"
     if result.pruning_ratio is not None:  # a target that reports a ratio but no sensitivity

@@ -68,7 +68,7 @@ def report_command(
     """Write the CFO report (PDF + HTML): savings with their basis, trends, method, assumptions, quality kept."""
     from roi.assumptions import Assumptions
     from roi.costs import Basis
-    from roi.errors import RoiError
+    from roi.errors import NoMeasurementsError, NoTrafficError, RoiError
     from roi.formatting import payback_text, usd
     from roi.report import REPORT_DAYS
     from roi.report_files import generate_report
@@ -84,8 +84,10 @@ def report_command(
     try:
         chosen = Assumptions.from_file(assumptions) if assumptions else Assumptions()
         data = generate_report(db, days, out, html_path, chosen, target=target, model=model)
-    except RoiError as exc:
+    except (NoMeasurementsError, NoTrafficError) as exc:  # about the store's data: say which store
         raise fail(f"store {safe_url(db)}: {exc}")
+    except RoiError as exc:
+        raise fail(str(exc))
     except OSError as exc:
         raise fail(f"cannot write the report: {exc}")
     costs = data.result.costs(Basis.ALLOCATION)

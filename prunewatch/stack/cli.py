@@ -28,6 +28,8 @@ def stack_up_command(
     device: str = typer.Option(None, "--device", help="Engine device: cpu (default), cuda or auto."),
     probes: Path = typer.Option(None, "--probes", help="Probes YAML the collector sends (default: canonical)."),
     interval: float = typer.Option(None, "--interval", help="Seconds between probe rounds per engine (default 30)."),
+    baseline_every: int = typer.Option(None, "--baseline-every",
+                                       help="Dense baseline runs every N rounds per engine (default 10)."),
     scrape_interval: int = typer.Option(None, "--scrape-interval", help="Prometheus scrape interval, s (default 15)."),
     alert_group_wait: int = typer.Option(None, "--alert-group-wait",
                                          help="Alertmanager group_wait in s (default: alerts/alertmanager.yml's)."),
@@ -41,7 +43,8 @@ def stack_up_command(
     from prunewatch.stack.settings import StackSettings
 
     given = {"state_dir": state_dir, "model_dir": model, "engines": engines, "device": device,
-             "probes_path": probes, "interval_s": interval, "scrape_interval_s": scrape_interval,
+             "probes_path": probes, "interval_s": interval, "baseline_every": baseline_every,
+             "scrape_interval_s": scrape_interval,
              "alert_group_wait_s": alert_group_wait, "calibration_dir": calibration_dir,
              "start_timeout_s": start_timeout}
     try:

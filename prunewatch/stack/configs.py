@@ -51,12 +51,14 @@ def engine_api_key(secrets_dir: Path) -> Path:
 
 
 def targets_config(engines: list[EngineEndpoint], *, model: str, probes_path: Path, buffer_path: Path,
-                   metrics_port: int, interval_s: float, timeout_s: float, sensitivity: float) -> dict[str, Any]:
+                   metrics_port: int, interval_s: float, timeout_s: float, sensitivity: float,
+                   baseline_every: int | None = None) -> dict[str, Any]:
     """The collector's targets file: one `prunewatch` HTTP target per engine."""
     return {
         "collector": {"buffer_path": str(buffer_path), "metrics_host": "127.0.0.1", "metrics_port": metrics_port,
                       "probes_path": str(probes_path)},
-        "defaults": {"interval_s": interval_s, "timeout_s": timeout_s, "sensitivity": sensitivity},
+        "defaults": {"interval_s": interval_s, "timeout_s": timeout_s, "sensitivity": sensitivity,
+                     "baseline_every": baseline_every},
         "targets": [{"name": e.name, "kind": "prunewatch", "base_url": e.base_url, "api_key_env": TARGET_KEY_ENV,
                      "model": model} for e in engines],
     }

@@ -136,7 +136,8 @@ def _write_configs(settings: StackSettings, root: Path, ports: dict[str, int], n
     targets = configs.targets_config(
         engines, model=settings.model_dir.name, probes_path=settings.probes_path.resolve(),
         buffer_path=root / "collector" / "buffer.sqlite", metrics_port=ports["collector"],
-        interval_s=settings.interval_s, timeout_s=settings.probe_timeout_s, sensitivity=settings.sensitivity)
+        interval_s=settings.interval_s, timeout_s=settings.probe_timeout_s, sensitivity=settings.sensitivity,
+        baseline_every=settings.baseline_every)
     return _Files(key_file=key_file,
                   prometheus_yml=configs.write_yaml(config_dir / "prometheus.yml", prometheus),
                   alertmanager_yml=configs.write_yaml(config_dir / "alertmanager.yml", alertmanager),

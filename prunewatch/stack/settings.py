@@ -35,6 +35,10 @@ class StackSettings(BaseSettings):
     probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Probes the collector sends to every engine.")
     interval_s: float = Field(30.0, ge=1.0, le=86_400.0, validation_alias=INTERVAL_ENV,
                               description="Seconds between probe rounds per engine (PRUNEWATCH_INTERVAL_S).")
+    baseline_every: int = Field(
+        10, ge=1, le=100_000,
+        description="Every N rounds (the first included) each engine's probes also run dense: the measured "
+                    "'before' of the ROI app and the dense lines of the pruned-vs-dense panel.")
     probe_timeout_s: float = Field(120.0, gt=0.0, le=3600.0, description="A probe running longer is a timeout failure.")
     scrape_interval_s: int = Field(
         15, ge=1, le=300,

@@ -62,9 +62,18 @@ def test_synthetic_results_map_to_the_collector_metrics() -> None:
     results[0].tokens_per_s, results[0].dram_bytes_per_instruction, results[0].dram_source = 20.5, 3.5, "ncu"
     results[2].preprocessing_ms, results[2].postprocessing_ms, results[2].ttft_ms = 2.0, 30.0, 75.0
     results[2].prefill_pruning_ratio, results[2].decode_pruning_ratio, results[2].quality_ms = 0.0, 0.42, 1500.0
+    results[2].client_ttft_ms, results[2].client_decode_tokens_per_s = 120.0, 31.5
+    dense = result(T0 + timedelta(seconds=6), "tech", "tech-1", ratio=0.0, inference_ms=9000.0)
+    dense.baseline, dense.sensitivity, dense.client_ttft_ms = True, 0.0, 240.0
+    results.append(dense)
     for r in results:
         r.duration_ms = 1234.0
     assert_same(results)
+    series = StoreSeries(results)
+    ratios = {s.values[-1] for s in series.gauges("prunewatch_pruning_ratio") if ("probe", "tech-1") in s.labels}
+    assert ratios == {0.45}  # a dense baseline does not overwrite the pruned configuration's ratio
+    dense_count = series.counters("prunewatch_dense_inference_latency_seconds_count")
+    assert [sum(s.increments) for s in dense_count] == [1.0]
     series = StoreSeries(results)
     failures = {dict(s.labels)["reason"] for s in series.counters("prunewatch_probe_failures_total")}
     assert failures == {"timeout", "exception"}  # a failure without a reason is counted as "exception"

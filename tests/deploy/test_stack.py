@@ -95,7 +95,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
     records: list[dict] = []
     try:
         up = _stack("up", "--state-dir", str(state_dir), "--model", str(probe_model_dir), "--probes", str(PROBES),
-                    "--interval", "3", "--scrape-interval", "1", "--alert-group-wait", "1",
+                    "--interval", "3", "--baseline-every", "1", "--scrape-interval", "1", "--alert-group-wait", "1",
                     "--calibration-dir", str(calibration_dir), "--start-timeout", "120", timeout_s=300)
         state = json.loads((state_dir / "stack.json").read_text()) if (state_dir / "stack.json").exists() else {}
         records = state.get("services", [])
@@ -152,7 +152,8 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
                     "SELECT DISTINCT ON (target, probe_id) target, probe_id, model, sensitivity, pruning_ratio, "
                     "prefill_pruning_ratio, decode_pruning_ratio, ratio_source, layers_total, executed_flops, "
                     "dense_flops, completion_tokens, output_text, token_agreement, perplexity_delta_pct, quality_ms "
-                    "FROM probe_results WHERE status = 'ok' ORDER BY target, probe_id, created_at")).mappings().all()
+                    "FROM probe_results WHERE status = 'ok' AND NOT baseline ORDER BY target, probe_id, created_at")
+                ).mappings().all()
             found = {(r["target"], r["probe_id"]): dict(r) for r in rows}
             return found if set(found) == {(t, p) for t in ENGINES for p in probe_ids} else None
 
@@ -160,10 +161,10 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             results = _poll("an ok result of each probe from each engine in PostgreSQL", first_results)
             with engine.connect() as connection:  # quality over HTTP: every ok row, not only the first ones
                 unscored = connection.execute(text(
-                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND (token_agreement IS NULL "
-                    "OR perplexity_delta_pct IS NULL OR quality_ms IS NULL)")).scalar_one()
+                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline AND (token_agreement "
+                    "IS NULL OR perplexity_delta_pct IS NULL OR quality_ms IS NULL)")).scalar_one()
                 scored = connection.execute(text(
-                    "SELECT count(*) FROM probe_results WHERE status = 'ok'")).scalar_one()
+                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline")).scalar_one()
         finally:
             engine.dispose()
         assert scored >= len(ENGINES) * len(probe_ids) and unscored == 0
@@ -180,6 +181,16 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             a, b = results[("engine-a", probe_id)], results[("engine-b", probe_id)]
             assert (a["pruning_ratio"], a["output_text"], a["completion_tokens"]) == (
                 b["pruning_ratio"], b["output_text"], b["completion_tokens"])
+
+        # Dense baselines run on the same engines (every round here): the pruned-vs-dense panel's two
+        # series exist for each target, each from its own runs, and the client timed every stream.
+        def pruned_and_dense() -> dict | None:
+            found = {name: {s["metric"]["target"] for s in _promql(prometheus, f"{name}_count")}
+                     for name in ("prunewatch_inference_latency_seconds", "prunewatch_dense_inference_latency_seconds",
+                                  "prunewatch_client_time_to_first_token_seconds")}
+            return found if all(targets == set(ENGINES) for targets in found.values()) else None
+
+        assert _poll("pruned and dense latency series of both engines", pruned_and_dense, timeout_s=90)
 
         # The dashboards' agreement panels read data: the recorded series the overview plots and the
         # worst-probe stat, expanded as Grafana would with every model and domain selected.
