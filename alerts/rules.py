@@ -25,6 +25,7 @@ from records.promql import (
     PROMQL_RATIO_BY_DOMAIN,
     promql_ratio_bucket_probes,
     promql_ratio_over_probes,
+    promql_governor_clamps,
     promql_results_absent,
 )
 
@@ -91,6 +92,13 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
     low, red, risk = f"{s.ratio_low:g}", f"{s.quality_red_line:g}", f"{s.quality_risk_ratio:g}"
     risk_for = format_duration(s.quality_risk_for)
     ratio_source = "measured by the engine, each probe's last result averaged over the domain"
+    if s.thresholds_source:  # measured for this model by `prunewatch tune`
+        red_origin = f"{red} was measured: {s.thresholds_source}."
+        risk_origin = f"(measured: {s.thresholds_source}; check token agreement)"
+    else:
+        red_origin = (f"{red} is a configured default, not measured on this model; `prunewatch tune` measures where "
+                      "quality falls for it.")
+        risk_origin = "(a configured default, not measured on this model; check token agreement)"
     return [
         AlertSpec(
             "PruningRatioLow", compare(PROMQL_RATIO_AVG_24H, "<", s.ratio_low), format_duration(s.ratio_low_for),
@@ -103,14 +111,13 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
             "PruningRatioQualityRisk", compare(PROMQL_RATIO_BY_DOMAIN, ">", s.quality_red_line), risk_for,
             "warning", f"Pruning ratio of {WHERE} above the red line {red}",
             f"Pruning ratio is {_value('%.3f')} ({ratio_source}), above the configured red line {red} for "
-            f"{risk_for}. {red} is a configured default, not measured on this model; `prunewatch tune` "
-            "measures where quality falls for it.",
+            f"{risk_for}. {red_origin}",
             f"{RUNBOOK}, then lower the pruning sensitivity for this domain before quality drops."),
         AlertSpec(
             "PruningRatioQualityRisk", compare(PROMQL_RATIO_BY_DOMAIN, ">", s.quality_risk_ratio), risk_for,
             "critical", f"Pruning ratio of {WHERE} above {risk}: answer quality at risk",
             f"Pruning ratio is {_value('%.3f')} ({ratio_source}), above the configured quality limit {risk} for "
-            f"{risk_for} (a configured default, not measured on this model; check token agreement).",
+            f"{risk_for} {risk_origin}.",
             f"{RUNBOOK}, then lower the pruning sensitivity for this domain and check token agreement."),
         AlertSpec(
             "QualityAgreementLow", compare(PROMQL_AGREEMENT_AVG_1H, "<", s.agreement_floor),
@@ -146,6 +153,15 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
             f"{_value('%.0f')} probe results (measured) wait on disk for the database, above the configured "
             f"{s.buffer_backlog_max} for {format_duration(s.buffer_backlog_for)}.",
             f"{RUNBOOK}, then check the database the collector writes to (connection, disk, locks)."),
+        AlertSpec(
+            "PruningGovernorClamped", compare(promql_governor_clamps(format_duration(s.governor_clamp_window)), ">", 0),
+            None, "warning",
+            "Quality governor lowered pruning of {{ $labels.target }} on {{ $labels.domain }}",
+            f"The quality governor lowered the pruning sensitivity {_value('%.0f')} time(s) in the last "
+            f"{format_duration(s.governor_clamp_window)}: the measured token agreement of the domain's probes fell "
+            "below its floor, so live traffic now runs less pruned (and saves less) until agreement recovers.",
+            "Run `prunewatch governor status` for the decision and its evidence, then compare the domain's "
+            "pruned and dense answers."),
     ]
 
 

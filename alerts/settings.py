@@ -32,6 +32,10 @@ class RuleSettings(BaseSettings):
         0.35, gt=0.0, lt=1.0,
         description="24 h average pruning ratio below this means pruning saves little work (configured default, "
                     "not measured here).")
+    thresholds_source: str | None = Field(
+        None, max_length=300,
+        description="Where the ratio thresholds come from when they were measured (`prunewatch tune` writes it); "
+                    "None: configured defaults, and the annotations say so.")
     ratio_low_for: PromDuration = Field(
         timedelta(hours=2), description="How long the 24 h average must stay low before PruningRatioLow fires.")
     quality_red_line: float = Field(
@@ -61,6 +65,10 @@ class RuleSettings(BaseSettings):
         100, ge=1, le=10_000_000,
         description="Results waiting on disk for the database above this fire CollectorBufferBacklog.")
     buffer_backlog_for: PromDuration = Field(timedelta(minutes=10), description="Hold time of CollectorBufferBacklog.")
+    governor_clamp_window: PromDuration = Field(
+        timedelta(minutes=15),
+        description="PruningGovernorClamped fires while the governor lowered a sensitivity within this window "
+                    "(at once, no hold: each clamp is already a measured breach of the agreement floor).")
     ratio_buckets: tuple[float, float, float] = Field(
         (0.35, 0.42, 0.47),
         description="Upper bounds of the ratio buckets [0,a), [a,b), [b,c] (seeds: 0.35, 0.42, 0.47); "
@@ -80,6 +88,8 @@ class RuleSettings(BaseSettings):
                 raise ValueError(f"{name} must not be negative")
         if self.absent_for <= timedelta(0):
             raise ValueError("absent_for must be positive")
+        if self.governor_clamp_window <= timedelta(0):
+            raise ValueError("governor_clamp_window must be positive")
         return self
 
 

@@ -23,6 +23,7 @@ from sqlalchemy.engine import make_url
 
 from collector.buffered import Backoff, BufferedStore
 from collector.exporters import LogExporter
+from collector.governor import GovernedTarget, Governor, governor_of, start_governing
 from collector.exposition import start_metrics_server
 from collector.http_target import HttpTarget
 from collector.probe_round import RoundSummary
@@ -137,13 +138,19 @@ def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir:
     engines: dict = {}
     jobs = []
     specs = [config.target(name) for name in only] if only else config.targets
+    governed_settings = {spec.name: spec.governor for spec in specs if getattr(spec, "governor", None) is not None}
+    governor = Governor(governed_settings) if governed_settings else None  # one for the process
     for spec in specs:
         try:
             subset = probe_set.filter(spec.domains)
         except ProbeFileError as exc:
             raise TargetConfigError(f"{config.source}: target {spec.name}: domains: {exc}") from None
-        jobs.append(TargetJob(build_target(spec, probe_set, calibration_dir=calibration_dir, engines=engines),
-                              subset, interval_s=interval_s or spec.interval_s, timeout_s=spec.timeout_s, jitter_s=spec.jitter_s,
+        target = build_target(spec, probe_set, calibration_dir=calibration_dir, engines=engines)
+        if governor is not None and spec.name in governed_settings:
+            target = GovernedTarget(target, governor)  # probes run at the governed sensitivity of their domain
+        jobs.append(TargetJob(target,
+                              subset, interval_s=interval_s or spec.interval_s, timeout_s=spec.timeout_s,
+                              jitter_s=spec.jitter_s, baseline_every=spec.baseline_every,
                               first_delay_s=random.uniform(0.0, spec.jitter_s)))  # spread first rounds too
     return jobs
 
@@ -173,12 +180,17 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
     store.start()
     pusher = Pushgateway(settings.pushgateway_url, metrics.registry, job=settings.pushgateway_job) \
         if settings.pushgateway_url else None
+    governor = governor_of(job.target for job in jobs)
+    if governor is not None:  # the exposition is cached by CollectorMetrics' state key: bump it on each decision
+        start_governing(governor, jobs, registry=metrics.registry, on_change=metrics.changed, store=db)
     totals = {"rounds": 0, "results": 0, "failures": 0}
 
     def round_done(summary: RoundSummary) -> None:
         totals["rounds"] += 1
         totals["results"] += len(summary.results)
         totals["failures"] += summary.failed
+        if governor is not None and governor.governs(summary.target):
+            governor.observe_round(summary)  # before the target's next round: it runs at the new setting
         if pusher is not None:
             pusher.push()
         if on_round is not None:

@@ -21,6 +21,10 @@
         kind: openai
         base_url: http://10.0.0.6:8000
         model: meta-llama/Llama-3.1-8B-Instruct
+    governor:                     # optional; defaults of every governed target (collector/governor.py)
+      floor: 0.95
+    # a target is governed with `governor: true` (these defaults) or `governor: {floor: 0.9, ...}`
+    # (its own values over them); not an openai baseline, which does not prune.
 
 Validation happens before anything runs and every problem is one line naming the file, the
 target and the field. API keys are never in the file: `api_key_env` names the variable holding one.
@@ -41,6 +45,7 @@ from pydantic import (
     model_validator,
 )
 
+from collector.governor import GovernorSettings
 from engine.model_store import PROBE_MODEL_DIR
 from probes import read_yaml
 
@@ -62,6 +67,10 @@ class TargetDefaults(BaseModel):
                              description="A probe running longer is cancelled and recorded as a timeout failure.")
     sensitivity: float = Field(0.5, ge=0.0, le=1.0, description="Pruning sensitivity asked of pruning targets.")
     jitter_s: float = Field(0.0, ge=0.0, le=3600.0, description="Random delay added to each round's start.")
+    baseline_every: int | None = Field(
+        None, ge=1, le=100_000,
+        description="Every N rounds (the first included) also run each probe dense (sensitivity 0) on the same "
+                    "engine, stored as a baseline: the measured 'before' of the ROI report. None: never.")
 
 
 class TargetSpec(BaseModel):
@@ -82,6 +91,9 @@ class TargetSpec(BaseModel):
     timeout_s: float | None = Field(None, gt=0.0, le=3600.0)
     sensitivity: float | None = Field(None, ge=0.0, le=1.0)
     jitter_s: float | None = Field(None, ge=0.0, le=3600.0)
+    governor: bool | dict[str, Any] | None = Field(
+        None, description="true: governed with the file's governor defaults; a mapping: its own values over them.")
+    baseline_every: int | None = Field(None, ge=1, le=100_000)
 
     @field_validator("base_url")
     @classmethod
@@ -110,6 +122,10 @@ class TargetSpec(BaseModel):
                 raise ValueError(f"model_dir applies to in_process targets only, not to {self.kind}")
         if self.kind == "openai" and self.sensitivity is not None:
             raise ValueError("an openai (baseline) target does not prune; remove sensitivity")
+        if self.kind == "openai" and self.governor not in (None, False):
+            raise ValueError("an openai (baseline) target does not prune; it cannot be governed")
+        if self.kind == "openai" and self.baseline_every is not None:
+            raise ValueError("an openai target is dense already; baseline_every applies to pruning targets")
         return self
 
 
@@ -132,6 +148,8 @@ class TargetsFile(BaseModel):
     collector: CollectorSection = Field(default_factory=CollectorSection)
     defaults: TargetDefaults = Field(default_factory=TargetDefaults)
     targets: list[TargetSpec] = Field(min_length=1)
+    governor: GovernorSettings = Field(default_factory=GovernorSettings,
+                                       description="Governor settings of every governed target unless it sets its own.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "TargetsFile":
@@ -160,6 +178,8 @@ class ResolvedTarget(BaseModel):
     timeout_s: float
     sensitivity: float | None  # None for baselines
     jitter_s: float
+    governor: GovernorSettings | None = None  # None: not governed
+    baseline_every: int | None = None  # rounds between dense baseline runs; None: never
 
     def api_key(self) -> str | None:
         """The key from the environment, read when needed (never stored in the config object)."""
@@ -194,6 +214,21 @@ def _where(error: dict[str, Any], document: Any) -> str:
     return ".".join(str(p) for p in loc)
 
 
+def _governor(path: Path, index: int, spec: TargetSpec, defaults: GovernorSettings) -> GovernorSettings | None:
+    if spec.governor is None or spec.governor is False:
+        return None
+    if spec.governor is True:
+        return defaults
+    try:
+        return GovernorSettings.model_validate({**defaults.model_dump(), **spec.governor})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ()))
+        message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        raise TargetConfigError(f"{path}: targets[{index}] ({spec.name}): governor"
+                                f"{'.' + field if field else ''}: {message}") from None
+
+
 def load_targets(path: Path | str) -> CollectorConfig:
     """Parse, validate and resolve the file; TargetConfigError with one line naming the first problem."""
     path = Path(path)
@@ -209,7 +244,7 @@ def load_targets(path: Path | str) -> CollectorConfig:
         raise TargetConfigError(f"{path}: {where + ': ' if where else ''}{message}") from None
     defaults = parsed.defaults
     resolved = []
-    for spec in parsed.targets:
+    for index, spec in enumerate(parsed.targets):
         if spec.api_key_env and not os.environ.get(spec.api_key_env):
             raise TargetConfigError(f"{path}: target {spec.name}: environment variable {spec.api_key_env} "
                                     f"(api_key_env) is not set or empty")
@@ -221,5 +256,8 @@ def load_targets(path: Path | str) -> CollectorConfig:
             sensitivity=None if spec.kind == "openai" else (
                 spec.sensitivity if spec.sensitivity is not None else defaults.sensitivity),
             jitter_s=spec.jitter_s if spec.jitter_s is not None else defaults.jitter_s,
+            governor=_governor(path, index, spec, parsed.governor),
+            baseline_every=None if spec.kind == "openai" else (
+                spec.baseline_every if spec.baseline_every is not None else defaults.baseline_every),
         ))
     return CollectorConfig(collector=parsed.collector, targets=resolved, source=str(path))

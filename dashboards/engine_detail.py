@@ -16,8 +16,12 @@ from dashboards.panels import (
 )
 from dashboards.settings import DashboardSettings
 from dashboards.variables import prometheus_variables
+from records.promql import PROMQL_GOVERNOR_SETTING
 
 UID = "prunewatch-engine"
+
+TARGET_DOMAIN = 'target=~"$target", domain=~"$domain"'
+"""Label matchers of the governor's series: they carry target and domain (not model)."""
 
 
 def build_engine_detail(settings: DashboardSettings) -> Json:
@@ -62,6 +66,15 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         "weighs both by their FLOPs.",
         p, [prom(ref, expr, f"{phase} · {{{{domain}}}}") for ref, (phase, expr) in zip("AB", promql.PHASE_RATIOS.items())],
         unit="percentunit", width=24, height=7, minimum=0, maximum=1))
+    layout.add(row("Quality governor"))
+    layout.add(timeseries(
+        "Governed pruning sensitivity by target and domain (set by the governor from measured agreement)",
+        "The sensitivity the quality governor holds for each target and domain: the most aggressive setting "
+        "whose measured token agreement stays at or above its floor. It drops at once by a bounded step "
+        "when a round's agreement falls below the floor (PruningGovernorClamped) and climbs back in small "
+        "steps after consecutive good rounds. `prunewatch governor status` shows each decision's evidence.",
+        p, [prom("A", promql.scoped(PROMQL_GOVERNOR_SETTING, TARGET_DOMAIN), "{{target}} · {{domain}}")],
+        unit="none", width=24, height=7, minimum=0, maximum=1))
     layout.add(row("Hardware"))
     layout.add(timeseries(
         "DRAM bytes per instruction (by source)",

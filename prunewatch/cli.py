@@ -77,7 +77,15 @@ def run(
                    "chosen to keep quality on SmolLM2-135M-Instruct; 0 turns it off)."),
     device: str = typer.Option(None, help="auto, cpu or cuda (default auto). (env PRUNEWATCH_DEVICE)"),
     probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes). (env PRUNEWATCH_PROBES_PATH)"),
+    baseline_every: int = typer.Option(
+        None, help="Every N rounds (the first included) also run each probe dense, stored as a measured baseline "
+                   "for the ROI report (default: never). (env PRUNEWATCH_BASELINE_EVERY)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
+    govern: bool = typer.Option(False, "--govern/--no-govern", envvar="PRUNEWATCH_GOVERN",
+                                help="Hold the token-agreement floor per domain with the quality governor "
+                                     "(starts at --sensitivity, lowers it on a breach, relaxes slowly). (env PRUNEWATCH_GOVERN)"),
+    govern_floor: float = typer.Option(None, "--govern-floor", envvar="PRUNEWATCH_GOVERNOR_FLOOR",
+                                       help="The governor's token-agreement floor (default 0.95). (env PRUNEWATCH_GOVERNOR_FLOOR)"),
 ) -> None:
     """The main job: probe the embedded engine on a schedule, store results, serve /metrics.
 
@@ -85,6 +93,7 @@ def run(
     from pydantic import ValidationError
 
     from collector.exposition import MetricsPortError
+    from collector.governor import GovernorSettings
     from collector.settings import CollectorSettings
     from engine.errors import EngineError
     from probes import ProbeFileError
@@ -94,19 +103,21 @@ def run(
 
     configure_logging(verbose)
     flags = dict(db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
-                 sensitivity=sensitivity, device=device, probes_path=probes, activation_sparsity=activation_sparsity)
+                 sensitivity=sensitivity, device=device, probes_path=probes, activation_sparsity=activation_sparsity,
+                 baseline_every=baseline_every)
     try:
         settings = CollectorSettings(**{name: value for name, value in flags.items() if value is not None})
         # The model: the flag, else PRUNEWATCH_MODEL_DIR, else the default real model (each may be a name).
         spec = model if model is not None else (
             str(settings.model_dir) if "model_dir" in settings.model_fields_set else None)
         settings = settings.model_copy(update={"model_dir": model_folder(spec)})
+        governor = GovernorSettings(**({} if govern_floor is None else {"floor": govern_floor})) if govern else None
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
     except EngineError as exc:
         raise fail(str(exc))
     try:
-        outcome = run_embedded(settings)
+        outcome = run_embedded(settings, governor=governor)
     except (EngineError, ProbeFileError, StoreUnavailableError, MetricsPortError) as exc:
         raise fail(str(exc))
     typer.echo(f"done: {outcome.rounds} round(s), {outcome.results} probe result(s), {outcome.failures} failed; "
@@ -238,6 +249,7 @@ def _mount_groups() -> None:
     from prunewatch.commands import alerts as alerts_cli
     from prunewatch.commands import collect as collector_cli
     from prunewatch.commands import dashboards as dashboards_cli
+    from prunewatch.commands import governor as governor_cli
     from prunewatch.commands import roi as roi_cli
     from prunewatch.stack import cli as stack_cli
 
@@ -267,6 +279,10 @@ def _mount_groups() -> None:
     dashboards_app.command("export")(dashboards_cli.export_command)
     dashboards_app.command("push")(dashboards_cli.push_command)
     app.add_typer(dashboards_app, name="dashboards")
+
+    governor_app = typer.Typer(help="The quality governor: the pruning policy it holds and why.", no_args_is_help=True)
+    governor_app.command("status")(governor_cli.status_command)
+    app.add_typer(governor_app, name="governor")
 
 
 _mount_groups()

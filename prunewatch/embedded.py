@@ -15,9 +15,10 @@ from sqlalchemy.orm import Session
 
 from collector.exporters import LogExporter, SqlExporter
 from collector.exposition import start_metrics_server
+from collector.governor import GovernedTarget, Governor, GovernorSettings, start_governing
 from collector.live_table import round_table
 from collector.probe_round import RoundSummary
-from collector.scheduler import ProbeScheduler
+from collector.scheduler import ProbeScheduler, TargetJob
 from collector.settings import CollectorSettings
 from collector.targets import InProcessTarget
 from engine import EngineSettings, PruningEngine
@@ -62,7 +63,7 @@ def _close_interrupted_rounds(db: Engine, target: str, before: datetime) -> int:
 
 
 def run_embedded(settings: CollectorSettings, console: Console | None = None,
-                 calibration_dir: Path | None = None) -> RunOutcome:
+                 calibration_dir: Path | None = None, governor: GovernorSettings | None = None) -> RunOutcome:
     """Validate everything, then load, calibrate, schedule and run until done or interrupted.
 
     Order matters for "nothing written on bad input": the model folder, the probes, the /metrics
@@ -109,6 +110,14 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
 
     sql = SqlExporter(db)
     target = InProcessTarget(engine, name=settings.target_name, sensitivity=settings.sensitivity)
+    governing = None
+    if governor is not None:  # each domain's probes run at the governed sensitivity, decisions stored in `db`
+        governing = Governor({settings.target_name: governor})
+        target = GovernedTarget(target, governing)
+        start_governing(governing, [TargetJob(target, probe_set, settings.interval_s)], registry=metrics.registry,
+                        on_change=metrics.changed, store=db)
+        console.print(f"governor: token agreement floor {governor.floor:g}, sensitivity "
+                      f"{governor.min_sensitivity:g}..{governor.max_sensitivity:g}")
     totals = {"results": 0, "failures": 0, "rounds": 0}
     live = Live(console=console, auto_refresh=False, transient=False)
 
@@ -116,12 +125,16 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         totals["rounds"] += 1
         totals["results"] += len(summary.results)
         totals["failures"] += summary.failed
+        if governing is not None:
+            governing.observe_round(summary)  # before the next round, which runs at the new setting
         live.update(round_table(summary, totals["rounds"]), refresh=True)
         if alerting is not None:
             alerting.after_round(utcnow())  # never raises; transitions and deliveries are logged
 
+    job = TargetJob(target, probe_set, settings.interval_s, baseline_every=settings.baseline_every)
     scheduler = ProbeScheduler([target], probe_set, [sql, metrics, LogExporter()], interval_s=settings.interval_s,
-                               rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round)
+                               rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round,
+                               jobs=[job])
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: scheduler.stop_event.set() or scheduler.done.set())
     try:

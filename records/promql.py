@@ -65,3 +65,13 @@ def promql_ratio_over_probes(lower: float) -> str:
 
 def _number(value: float) -> str:
     return f"{value:g}"
+
+
+# -- quality governor (records/governor_metrics.py) ---------------------------------------------
+PROMQL_GOVERNOR_SETTING = "max by (target, domain) (prunewatch_governor_setting)"
+"""The pruning sensitivity the quality governor holds per target and domain (0 runs dense)."""
+
+
+def promql_governor_clamps(window: str) -> str:
+    """Rounds within `window` in which the governor lowered a (target, domain)'s sensitivity (a floor breach)."""
+    return f"sum by (target, domain) (increase(prunewatch_governor_clamps_total[{window}]))"

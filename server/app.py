@@ -24,6 +24,7 @@ from server.auth import ApiKeyAuth
 from server.completions import CompletionService, GenerationSpec
 from server.errors import APIError, install_error_handlers
 from server.metrics import ServerMetrics
+from server.policy import PruningPolicy, policy_router
 from server.middleware import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -69,7 +70,8 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
     metrics = ServerMetrics(engine.name, registry)
     metrics.set_queue_limit(settings.queue_depth)
     queue = AdmissionQueue(settings.queue_depth, settings.workers, on_change=metrics.set_in_queue)
-    service = CompletionService(engine, settings, queue, metrics)
+    policy = PruningPolicy()  # per-domain defaults for requests without X-Pruning-Sensitivity (server/policy.py)
+    service = CompletionService(engine, settings, queue, metrics, policy=policy)
     started = int(time.time())
 
     @asynccontextmanager
@@ -92,6 +94,7 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
     app.state.metrics = metrics
     app.state.queue = queue
     app.state.service = service
+    app.state.policy = policy
     install_error_handlers(app)
     # Added innermost first: metrics sees every answer, auth runs before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -192,4 +195,7 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(api)
+    app.include_router(policy_router(
+        policy, auth, lambda: sorted(engine.calibration.domains) if engine.calibration is not None else None),
+        dependencies=[Security(bearer)])
     return app

@@ -31,6 +31,7 @@ from server.errors import (
     invalid_request,
 )
 from server.metrics import ServerMetrics
+from server.policy import PruningPolicy, apply_policy
 from server.pruning_headers import PruningRequest
 from server.schemas import (
     BatchRequest,
@@ -111,8 +112,9 @@ class CompletionService:
     """The request path between the HTTP routes and the engine."""
 
     def __init__(self, engine: PruningEngine, settings: ServerSettings, queue: AdmissionQueue,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, policy: PruningPolicy | None = None) -> None:
         self.engine = engine
+        self.policy = policy  # per-domain default sensitivity for requests that set none
         self.settings = settings
         self.queue = queue
         self.metrics = metrics
@@ -162,6 +164,8 @@ class CompletionService:
             raise APIError(400, f"This model's context is {self.context_window} tokens; the prompt's "
                                 f"{len(ids)} plus {max_new} completion tokens do not fit.",
                            param=f"{param_prefix}{what}", code="context_length_exceeded")
+        if self.policy is not None and pruning.sensitivity is None and not self.policy.empty:
+            pruning = await asyncio.to_thread(apply_policy, self.policy, self.engine, ids, pruning)
         return GenerationSpec(kind=kind, request_id=uuid.uuid4().hex, prompt=prompt, messages=messages,
                               prompt_ids=tuple(ids), prompt_tokens=len(ids), max_new_tokens=max_new, pruning=pruning,
                               stream=bool(body.stream))

@@ -30,7 +30,8 @@ METRICS_PATH = "/metrics"
 # The API description holds no data and the docs page fetches it without credentials.
 DOCS_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 KNOWN_ENDPOINTS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/batch", "/v1/models", HEALTH_PATH, METRICS_PATH,
+    "/v1/chat/completions", "/v1/completions", "/v1/batch", "/v1/models", "/v1/pruning/policy", HEALTH_PATH,
+    METRICS_PATH,
 }) | DOCS_PATHS
 
 

@@ -103,3 +103,28 @@ class ProbeResultRow(Base):
         Index("ix_probe_results_model_domain_created_at", "model", "domain", "created_at"),
         Index("ix_probe_results_round_id", "round_id"),
     )
+
+
+class GovernorDecisionRow(Base):
+    """One decision of the quality governor: the sensitivity of a (target, model, domain) and the evidence."""
+
+    __tablename__ = "governor_decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    decided_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    target: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(256))
+    domain: Mapped[str] = mapped_column(String(64))
+    old_setting: Mapped[float] = mapped_column(Float)
+    new_setting: Mapped[float] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(String(32))  # breach, relax, hold, ... (collector/governor.py)
+    agreement: Mapped[float | None] = mapped_column(Float)  # mean token agreement of the round; None: no evidence
+    probes: Mapped[int] = mapped_column(Integer)  # probes whose agreement was measured
+    good_rounds: Mapped[int] = mapped_column(Integer)  # consecutive rounds at or above floor + margin
+    floor: Mapped[float] = mapped_column(Float)
+    round_id: Mapped[str | None] = mapped_column(String(32))  # not a foreign key: written apart from the round
+
+    __table_args__ = (
+        Index("ix_governor_decisions_target_domain_decided_at", "target", "domain", "decided_at"),
+        Index("ix_governor_decisions_decided_at", "decided_at"),
+    )

@@ -21,6 +21,7 @@ from records.promql import (
     PROMQL_LATENCY_P99,
     PROMQL_RATIO_AVG_24H,
     PROMQL_RATIO_BY_DOMAIN,
+    promql_governor_clamps,
 )
 
 ALERT_SOURCES = {
@@ -30,6 +31,7 @@ ALERT_SOURCES = {
     "LatencySLOBreached": (PROMQL_LATENCY_P99, ">"),
     "ProbeFailing": (PROMQL_FAILURE_RATE, ">"),
     "CollectorBufferBacklog": (PROMQL_BUFFER_DEPTH, ">"),
+    "PruningGovernorClamped": (promql_governor_clamps("15m"), ">"),
 }
 
 
@@ -55,7 +57,7 @@ def test_alerts_compare_the_promql_constants_verbatim(defaults: RuleSettings) ->
     thresholds = {("PruningRatioQualityRisk", "warning"): 0.44, ("PruningRatioQualityRisk", "critical"): 0.45,
                   ("PruningRatioLow", "warning"): 0.35, ("QualityAgreementLow", "warning"): 0.8,
                   ("LatencySLOBreached", "critical"): 1.3, ("ProbeFailing", "critical"): 0.2,
-                  ("CollectorBufferBacklog", "warning"): 100}
+                  ("CollectorBufferBacklog", "warning"): 100, ("PruningGovernorClamped", "warning"): 0}
     seen = set()
     for rule in rules:
         key = (rule["alert"], rule["labels"]["severity"])

@@ -30,15 +30,15 @@ def assert_schema_equals_models(engine) -> None:
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     assert {ix["name"] for ix in inspect(engine).get_indexes("probe_results")} == QUERY_INDEXES
-    assert current_revision(engine) == head_revision() == "0005"
+    assert current_revision(engine) == head_revision() == "0006"
 
 
 @pytest.mark.integration
 def test_postgres_upgrade_from_empty_then_again(postgres):
     engine = connect(fresh_database(postgres))
     assert current_revision(engine) is None
-    assert upgrade(engine) == (None, "0005")
-    assert upgrade(engine) == ("0005", "0005")  # idempotent
+    assert upgrade(engine) == (None, "0006")
+    assert upgrade(engine) == ("0006", "0006")  # idempotent
     assert_schema_equals_models(engine)
     with engine.connect() as connection:  # timestamps are zone-aware in PostgreSQL
         kinds = set(connection.execute(text(
@@ -58,7 +58,7 @@ def test_postgres_step_by_step_and_downgrade(postgres):
     assert "device" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
     assert upgrade(engine, "0004") == ("0003", "0004")
     assert "baseline" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
-    assert upgrade(engine) == ("0004", "0005")
+    assert upgrade(engine) == ("0004", "0006")
     assert_schema_equals_models(engine)
     engine.dispose()
 
@@ -113,7 +113,7 @@ def check_0004_upgrade(url: str) -> None:
             "INSERT INTO probe_results (result_id, round_id, created_at, target, model, probe_id, probe_version, "
             "probe_hash, domain, status) VALUES ('r', :round, :at, 't', 'm', 'p', 1, 'h', 'legal', 'ok')"),
             dict(round=("d" * 32), at=NOW))
-    assert upgrade(engine) == ("0004", "0005")
+    assert upgrade(engine) == ("0004", "0006")
     assert count_rows(url, "SELECT baseline, client_ttft_ms FROM probe_results") in ([(False, None)], [(0, None)])
     assert_schema_equals_models(engine)
     engine.dispose()
@@ -197,9 +197,9 @@ def test_db_commands_against_postgres(postgres):
     runner = CliRunner()
     first = runner.invoke(cli(), ["db", "upgrade", "--db", url])
     assert first.exit_code == 0, first.output
-    assert "schema empty -> 0005" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
+    assert "schema empty -> 0006" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
     again = runner.invoke(cli(), ["db", "upgrade", "--db", url])
-    assert "schema 0005 -> 0005 (already current)" in again.output
+    assert "schema 0006 -> 0006 (already current)" in again.output
     engine = connect(url)
     seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
     engine.dispose()

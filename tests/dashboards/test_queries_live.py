@@ -31,12 +31,14 @@ from sqlalchemy.engine import make_url
 
 from alerts.settings import RULES_PATH
 from collector.exporters import SqlExporter
+from collector.governor import Governor, GovernorSettings
 from collector.probe_round import run_round
 from collector.targets import InProcessTarget
 from dashboards import build_dashboards, panel_queries, template_variables
 from dashboards.rules import load_rule_file, parse_bucket
 from dashboards.settings import DashboardSettings
 from probes import Probe, ProbeSet, load_probes
+from records.governor_metrics import GovernorMetrics
 from records.metrics import CollectorMetrics
 from records.results import ProbeResult
 from records.store import connect, create_schema
@@ -55,7 +57,8 @@ ANOMALOUS_PROMPT = "Explain what this log line means: ################ ERROR ###
 class LiveStack:
     prometheus_url: str
     db_url: str
-    results: list[ProbeResult]
+    results: list[ProbeResult]  # the pruned configuration's: what every pruned figure is computed from
+    baselines: list[ProbeResult]  # the dense runs of the healthy rounds
     rounds: int
     started: datetime
     model: str
@@ -174,9 +177,13 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
     # A real misconfiguration: the engine refuses a sensitivity outside [0, 1] (invalid_request).
     misconfigured = InProcessTarget(probe_engine, name="misconfigured", sensitivity=1.5)
     exporters = [metrics, SqlExporter(db)]
+    # The healthy target's rounds are also judged by the quality governor (a floor it meets: it holds 0.5),
+    # so the governor's gauge is exported in the same registry.
+    governor = Governor({"embedded": GovernorSettings(floor=0.05)}, metrics=GovernorMetrics(metrics.registry))
     # Healthy and failing rounds alternate, each scraped before the next, so that every counter and
     # histogram increases between two samples (rate() and increase() need that). Two healthy rounds
     # are the fewest that give each domain's histograms an increase.
+    # The healthy rounds also run the dense baselines (both, so the dense histograms increase too).
     schedule = [(healthy, with_anomaly), (misconfigured, plain), (healthy, plain), (misconfigured, plain),
                 (misconfigured, plain)]
     started = datetime.now(timezone.utc)
@@ -185,8 +192,10 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
             results: list[ProbeResult] = []
             rounds = 0
             for target, probe_set in schedule:
-                summary = run_round(target, probe_set, exporters)
+                summary = run_round(target, probe_set, exporters, baseline=target is healthy)
                 assert summary.export_errors == 0
+                if target is healthy:
+                    governor.observe_round(summary, 0.5)
                 results.extend(summary.results)
                 rounds += 1
                 _poll(lambda: _scraped_total(prom.url, len(results)), f"a scrape after round {rounds}")
@@ -194,7 +203,8 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
             _poll(lambda: _rules_evaluated_after(prom.url, scraped_at), "a rule evaluation after the last scrape")
             _poll(lambda: prom_query(prom.url, f'ALERTS{{alertname="{FIRING_ALERT}", alertstate="firing"}}'),
                   f"{FIRING_ALERT} firing")
-            yield LiveStack(prometheus_url=prom.url, db_url=db_url, results=results, rounds=rounds,
+            yield LiveStack(prometheus_url=prom.url, db_url=db_url, results=[r for r in results if not r.baseline],
+                            baselines=[r for r in results if r.baseline], rounds=rounds,
                             started=started, model=probe_engine.name, settings=DashboardSettings())
     finally:
         metrics_server.shutdown()
@@ -258,7 +268,7 @@ def test_every_promql_target_returns_finite_data(live, dashboards):
             if not _finite_values(result):
                 empty.append(f"{query.label}: {result}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
-    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 29
+    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 32
 
 
 def test_every_sql_target_returns_rows(live, dashboards):
@@ -415,7 +425,7 @@ def test_history_bucket_and_round_tables_match_the_store(live, dashboards):
     rounds = _sql_rows(live, history, "Collector rounds (counted)")
     assert len(rounds) == live.rounds
     assert sorted((r[1], r[3], r[4]) for r in rounds) == sorted(
-        [("embedded", 3, 0), ("embedded", 2, 0)] + [("misconfigured", 0, 2)] * 3)
+        [("embedded", 3 + 3, 0), ("embedded", 2 + 2, 0)] + [("misconfigured", 0, 2)] * 3)  # + dense baselines
 
 
 def test_a_single_domain_selection_narrows_prometheus_and_sql_panels(live, dashboards):
@@ -432,4 +442,16 @@ def test_a_single_domain_selection_narrows_prometheus_and_sql_panels(live, dashb
     finally:
         engine.dispose()
     assert {r["domain"] for r in rows} == {"legal"}
-    assert len(rows) == sum(r.domain == "legal" for r in live.results) == 5
+    assert len(rows) == sum(r.domain == "legal" for r in live.results + live.baselines) == 5 + 2
+    assert sorted(r["run"] for r in rows) == ["dense baseline"] * 2 + ["pruned"] * 5
+
+
+def test_pruned_and_dense_latency_series_come_from_their_own_runs(live, dashboards):
+    """The pruned-vs-dense panel shows both configurations of the same target, each from its own runs."""
+    overview = dashboards["prunewatch-overview.json"]
+    panel = "Inference latency, pruned vs dense baseline (measured, p50)"
+    pruned, dense = _query(live, overview, panel, "A"), _query(live, overview, panel, "B")
+    assert {s["metric"]["target"] for s in pruned} == {s["metric"]["target"] for s in dense} == {"embedded"}
+    assert {s["metric"]["domain"] for s in dense} == {r.domain for r in live.baselines}
+    assert live.baselines and all(r.sensitivity == 0 and r.pruning_ratio == 0 for r in live.baselines)
+    assert len(live.baselines) == sum(r.ok for r in live.results)  # each pruned probe had its dense twin

@@ -1,0 +1,52 @@
+"""`prunewatch governor status`: the pruning policy the quality governor holds, and why.
+
+Plain functions with typer options; the `prunewatch` app mounts them under `governor`.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from prunewatch.cli_errors import fail
+from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
+
+
+def status_command(
+    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
+    target: str = typer.Option(None, "--target", "-t", help="Only this target."),
+) -> None:
+    """Print the current sensitivity per (target, model, domain) with the last decision and its evidence."""
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.orm import Session
+
+    from records.store import StoreUnavailableError, safe_url
+    from records.store.database import sqlite_file
+    from records.store.governor import GovernorRepository
+
+    path = sqlite_file(db)
+    if path is not None and not path.exists():
+        raise fail(f"no store at {safe_url(db)} (the SQLite file does not exist)")
+    try:
+        from records.store import connect
+
+        engine = connect(db)
+        if "governor_decisions" not in inspect(engine).get_table_names():
+            raise fail(f"store {safe_url(db)} has no governor decisions table; run `prunewatch db upgrade --db ...`")
+        with Session(engine) as session:
+            latest = GovernorRepository(session).latest(target=target)
+        engine.dispose()
+    except StoreUnavailableError as exc:
+        raise fail(str(exc))
+    except SQLAlchemyError as exc:
+        raise fail(f"cannot read governor decisions from {safe_url(db)}: {str(exc).splitlines()[0]}")
+    if not latest:
+        typer.echo("no governor decisions" + (f" for target {target}" if target else "") + f" in {safe_url(db)}")
+        return
+    for d in latest:
+        agreement = "not measured" if d.agreement is None else f"{d.agreement:.4f}"
+        change = (f"{d.old_setting:g} -> {d.new_setting:g}" if d.changed else f"held at {d.new_setting:g}")
+        typer.echo(f"{d.target} / {d.model} / {d.domain}: sensitivity {d.new_setting:g}")
+        typer.echo(f"  why: {d.reason} ({change}) at {d.decided_at:%Y-%m-%d %H:%M:%S} UTC; agreement {agreement} "
+                   f"over {d.probes} probe(s), floor {d.floor:g}, {d.good_rounds} good round(s) in a row, "
+                   f"round {d.round_id or '-'}")
