@@ -21,6 +21,12 @@ Method (every figure measured on the target, nothing modelled):
 5. Optionally, a layer blacklist: at the recommendation, for each layer the engine bypassed,
    run the probes again with that layer protected; a layer whose protection raises quality by
    at least `min_blacklist_gain` is recommended for the blacklist.
+6. Alert thresholds for this model (`AlertThresholds`), from the same sweep points: the critical
+   quality-risk ratio is the lowest mean ratio measured with quality below `quality_floor`; the
+   warning red line the highest ratio measured with quality at or above it (below the critical
+   one); the 24 h ratio floor of PruningRatioLow is `ratio_floor_share` of the ratio at the
+   recommended sensitivity (interpolated between sweep points). A figure the sweep cannot support
+   (quality never fell, nothing was pruned) is left out, and the rule keeps its configured default.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ class TuneSettings:
     warmup: bool = True  # one discarded probe first, so the first point does not pay for cold caches
     blacklist: bool = False
     min_blacklist_gain: float = 0.02
+    quality_floor: float = 0.95  # quality below it is lost quality (the governor's default floor)
+    ratio_floor_share: float = 0.5  # PruningRatioLow: a 24 h ratio below this share of the recommended one
+    configured_red_line: float | None = None  # the rules' red line when the sweep measures none (ratio_low < it)
 
     def __post_init__(self) -> None:
         grid = self.sensitivities
@@ -66,6 +75,10 @@ class TuneSettings:
             raise TuneError(f"margin must be within [0, 1), got {self.margin}")
         if not 1 <= self.repeats <= 20:
             raise TuneError(f"repeats must be within 1..20, got {self.repeats}")
+        if not 0.0 < self.quality_floor <= 1.0:
+            raise TuneError(f"quality_floor must be within (0, 1], got {self.quality_floor}")
+        if not 0.0 < self.ratio_floor_share < 1.0:
+            raise TuneError(f"ratio_floor_share must be within (0, 1), got {self.ratio_floor_share}")
 
 
 @dataclass
@@ -88,6 +101,26 @@ class BlacklistTrial:
 
 
 @dataclass
+class AlertThresholds:
+    """Alert thresholds for the tuned model, each with the sweep evidence it came from (None: not supported)."""
+
+    quality_floor: float
+    ratio_low: float | None = None
+    quality_red_line: float | None = None
+    quality_risk_ratio: float | None = None
+    evidence: dict[str, str] = field(default_factory=dict)
+
+    def rule_overrides(self, source: str) -> dict[str, float | str]:
+        """The RuleSettings fields this recommendation sets (what `alerts render-rules --settings` reads)."""
+        values: dict[str, float | str] = {
+            name: value for name, value in (("ratio_low", self.ratio_low), ("quality_red_line", self.quality_red_line),
+                                            ("quality_risk_ratio", self.quality_risk_ratio)) if value is not None}
+        if values:
+            values["thresholds_source"] = source
+        return values
+
+
+@dataclass
 class TuneReport:
     target: str
     model: str
@@ -104,6 +137,7 @@ class TuneReport:
     recommended_sensitivity: float
     blacklist_trials: list[BlacklistTrial] = field(default_factory=list)
     recommended_blacklist: list[int] = field(default_factory=list)
+    alert_thresholds: AlertThresholds | None = None
     method: str = ("Kneedle on measured sweep points: quality knee (quality starts to fall) and latency knee "
                    "(gains flatten); knee = the lower; recommended = knee - margin")
 
@@ -254,9 +288,85 @@ def tune(target, probe_set: ProbeSet, settings: TuneSettings = TuneSettings(),
                         "word agreement with the target's own output at sensitivity 0 (collector, measured)"),
         points=points, quality_knee=quality_knee, latency_knee=latency_knee, knee=knee, margin=settings.margin,
         recommended_sensitivity=recommended)
+    report.alert_thresholds = alert_thresholds(points, recommended, settings)
     if settings.blacklist:
         _discover_blacklist(sweeper, report)
     return report
+
+
+def _ratio_at(points: Sequence[SweepPoint], sensitivity: float) -> float | None:
+    """The mean measured ratio at `sensitivity`, linear between the two sweep points around it."""
+    known = [(p.sensitivity, p.pruning_ratio) for p in points if p.pruning_ratio is not None]
+    for (x0, y0), (x1, y1) in zip(known, known[1:]):
+        if x0 <= sensitivity <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (sensitivity - x0) / (x1 - x0)
+    return None
+
+
+def alert_thresholds(points: Sequence[SweepPoint], recommended: float, settings: TuneSettings) -> AlertThresholds:
+    """Thresholds of the ratio alerts for this model from its measured sweep (method: module docstring, 6)."""
+    floor = settings.quality_floor
+    out = AlertThresholds(quality_floor=floor)
+    measured = [p for p in points if p.pruning_ratio is not None and p.quality is not None]
+    lost = [p for p in measured if p.quality < floor and p.pruning_ratio > 0]
+    if lost:
+        risk = min(lost, key=lambda p: p.pruning_ratio)
+        out.quality_risk_ratio = round(risk.pruning_ratio, 4)
+        out.evidence["quality_risk_ratio"] = (f"lowest mean ratio measured with quality below {floor:g}: "
+                                              f"{risk.pruning_ratio:.4f} at sensitivity {risk.sensitivity:g} "
+                                              f"(quality {risk.quality:.3f})")
+        kept = [p for p in measured if p.quality >= floor and 0 < p.pruning_ratio < risk.pruning_ratio]
+        if kept:
+            line = max(kept, key=lambda p: p.pruning_ratio)
+            out.quality_red_line = round(line.pruning_ratio, 4)
+            out.evidence["quality_red_line"] = (f"highest mean ratio measured with quality at or above {floor:g}: "
+                                                f"{line.pruning_ratio:.4f} at sensitivity {line.sensitivity:g} "
+                                                f"(quality {line.quality:.3f})")
+        else:  # the rules need red line <= risk line; nothing below the risk line kept quality
+            out.quality_red_line = out.quality_risk_ratio
+            out.evidence["quality_red_line"] = "no smaller measured ratio kept the quality: the risk line itself"
+    else:
+        out.evidence["quality_risk_ratio"] = f"quality never fell below {floor:g} in the sweep: no risk line measured"
+    at_recommended = _ratio_at(points, recommended)
+    if at_recommended is not None and at_recommended > 0:
+        low = round(at_recommended * settings.ratio_floor_share, 4)
+        line = out.quality_red_line if out.quality_red_line is not None else settings.configured_red_line
+        if line is None or low < line:
+            out.ratio_low = low
+            out.evidence["ratio_low"] = (f"{settings.ratio_floor_share:g} x the ratio at the recommended sensitivity "
+                                         f"{recommended:g} ({at_recommended:.4f}, interpolated between sweep points)")
+    if "ratio_low" not in out.evidence and out.quality_red_line is not None:
+        out.ratio_low = round(out.quality_red_line * settings.ratio_floor_share, 4)  # the rules need low < red line
+        out.evidence["ratio_low"] = (f"no pruning measured at the recommended sensitivity {recommended:g}: "
+                                     f"{settings.ratio_floor_share:g} x the measured red line, so the rules stay ordered")
+    if "ratio_low" not in out.evidence:
+        out.evidence["ratio_low"] = "no pruning at the recommended sensitivity: no ratio floor measured"
+    return out
+
+
+RULES_OVERRIDE_HEADER = """# Alert thresholds measured by `prunewatch tune` for model {model} (target {target}), {measured_at}.
+# Render the rules with them: prunewatch alerts render-rules --settings {name} --out rules.yml
+# (PRUNEWATCH_RULE_* variables and flags still win; fields not listed keep their defaults).
+"""
+
+
+def write_rules_override(report: TuneReport, out_dir: Path) -> Path | None:
+    """`tune-<target>-rules.yaml`: the RuleSettings fields the sweep supports, with their evidence as comments."""
+    import yaml
+
+    thresholds = report.alert_thresholds
+    if thresholds is None:
+        return None
+    path = out_dir / f"tune-{report.target}-rules.yaml"
+    header = RULES_OVERRIDE_HEADER.format(model=report.model, target=report.target, measured_at=report.measured_at,
+                                          name=path.name)
+    evidence = "".join(f"# {name}: {text}\n" for name, text in sorted(thresholds.evidence.items()))
+    source = (f"`prunewatch tune` on {report.model} ({report.probes} probes, {len(report.points)} sensitivities, "
+              f"quality floor {thresholds.quality_floor:g}), {report.measured_at[:10]}")
+    overrides = thresholds.rule_overrides(source)
+    body = yaml.safe_dump(overrides, sort_keys=True, width=200) if overrides else "{}\n"
+    path.write_text(header + evidence + body)
+    return path
 
 
 def _discover_blacklist(sweeper: Sweeper, report: TuneReport) -> None:

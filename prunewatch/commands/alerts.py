@@ -21,15 +21,29 @@ from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 def render_rules_command(
     out: Path = typer.Option(None, "--out", help="Write the rule file here (default: print it)."),
     check: bool = typer.Option(False, "--check", help="Do not write: exit 1 when --out differs from the rendering."),
+    settings_file: Path = typer.Option(
+        None, "--settings", help="YAML of threshold fields, e.g. the tune-<target>-rules.yaml `prunewatch tune` writes "
+                                 "(PRUNEWATCH_RULE_* variables win over it)."),
 ) -> None:
-    """Render rules.yml from the PromQL constants and the thresholds (PRUNEWATCH_RULE_* variables)."""
+    """Render rules.yml from the PromQL constants and the thresholds (PRUNEWATCH_RULE_* variables, --settings file)."""
     from alerts.rules import render_rules
     from alerts.settings import RuleSettings
+    from probes import read_yaml
 
     try:
-        text = render_rules(RuleSettings())
+        from_environment = RuleSettings()
+        from_file = {} if settings_file is None else read_yaml(settings_file, "rule settings", ValueError) or {}
+        if not isinstance(from_file, dict):
+            raise ValueError(f"rule settings file {settings_file} must hold field: value pairs")
+        unknown = sorted(set(from_file) - set(RuleSettings.model_fields))
+        if unknown:
+            raise ValueError(f"rule settings file {settings_file}: unknown field(s) {', '.join(map(str, unknown))}")
+        chosen = {name: getattr(from_environment, name) for name in from_environment.model_fields_set}
+        text = render_rules(RuleSettings(**{**from_file, **chosen}))  # environment > file > default
     except ValidationError as exc:
         raise fail(f"invalid rule settings: {first_validation_error(exc)}")
+    except ValueError as exc:
+        raise fail(str(exc))
     if out is None:
         if check:
             raise fail("--check needs --out (the file to compare)")

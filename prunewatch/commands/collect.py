@@ -142,8 +142,13 @@ def _grid(text: str) -> tuple[float, ...]:
 
 
 def tune_command(
-    target: str = typer.Option(..., "--target", "-t", help="Name of the target in the config file."),
-    config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
+    target: str = typer.Option(None, "--target", "-t", help="Name of the target in the config file."),
+    config: Path = typer.Option(None, "--config", "-c", help="Targets file (YAML)."),
+    model: str = typer.Option(None, "--model", help="Instead of a target: tune the engine in this process on this "
+                                                    "model folder (or known model name, pulled on first use)."),
+    device: str = typer.Option("auto", "--device", help="With --model: auto, cpu or cuda."),
+    quality_floor: float = typer.Option(0.95, "--quality-floor", min=0.01, max=1.0,
+                                        help="Quality below this is lost quality (sets the alert thresholds)."),
     points: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", "--points",
                                help="Sensitivities to sweep; must include 0 and 1."),
     margin: float = typer.Option(0.07, "--margin", help="Safety margin below the knee."),
@@ -152,26 +157,40 @@ def tune_command(
     blacklist: bool = typer.Option(False, "--blacklist", help="Also discover a layer blacklist (per-layer A/B)."),
     probes: Path = typer.Option(None, "--probes", help="Probes YAML (default: the canonical probes)."),
 ) -> None:
-    """Sweep sensitivity 0..1 on a target, find the knee, recommend knee - margin (JSON + plot)."""
+    """Sweep sensitivity 0..1 on a target, find the knee, recommend knee - margin and alert thresholds (JSON, plot,
+    rules override)."""
     import dataclasses
 
-    from collector.fleet import FleetSettings, build_jobs
+    from alerts.settings import RuleSettings
+    from collector.fleet import FleetSettings, build_jobs, load_engine_cached
     from collector.target_config import TargetConfigError, load_targets
-    from collector.tune import TuneError, TuneSettings, tune, write_report
+    from collector.targets import InProcessTarget
+    from collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
     from engine.errors import EngineError
     from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+    from prunewatch.models_cli import model_folder
 
     configure_logging(False)
+    if (model is None) == (config is None) or (config is not None) != (target is not None):
+        raise fail("give either --config and --target (a configured target) or --model (the engine in this process)")
     try:
-        settings = TuneSettings(sensitivities=_grid(points), margin=margin, repeats=repeats, blacklist=blacklist)
-        parsed = load_targets(config)
-        probe_set = load_probes(probes or parsed.collector.probes_path or DEFAULT_PROBES_PATH)
-        (job,) = build_jobs(parsed, probe_set, only=[target], calibration_dir=FleetSettings().calibration_dir)
-        settings = dataclasses.replace(settings, probe_timeout_s=job.timeout_s or settings.probe_timeout_s)
-        report = tune(job.target, job.probe_set, settings, progress=lambda m: typer.echo(f"  {m}", err=True))
+        settings = TuneSettings(sensitivities=_grid(points), margin=margin, repeats=repeats, blacklist=blacklist,
+                                quality_floor=quality_floor, configured_red_line=RuleSettings().quality_red_line)
+        if model is not None:
+            probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
+            engine = load_engine_cached(model_folder(model), device, probe_set, FleetSettings().calibration_dir, {})
+            subject, subject_probes = InProcessTarget(engine, name=engine.name), probe_set
+        else:
+            parsed = load_targets(config)
+            probe_set = load_probes(probes or parsed.collector.probes_path or DEFAULT_PROBES_PATH)
+            (job,) = build_jobs(parsed, probe_set, only=[target], calibration_dir=FleetSettings().calibration_dir)
+            settings = dataclasses.replace(settings, probe_timeout_s=job.timeout_s or settings.probe_timeout_s)
+            subject, subject_probes = job.target, job.probe_set
+        report = tune(subject, subject_probes, settings, progress=lambda m: typer.echo(f"  {m}", err=True))
     except (TuneError, TargetConfigError, ProbeFileError, EngineError, ValueError) as exc:
         raise fail(str(exc))
     json_path, png_path = write_report(report, out)
+    rules_path = write_rules_override(report, out)
     typer.echo(f"{'sensitivity':>11} {'ratio':>7} {'latency ms':>10} {'quality':>8} {'failed':>6}")
     for p in report.points:
         ratio = "—" if p.pruning_ratio is None else f"{p.pruning_ratio:.3f}"
@@ -183,7 +202,13 @@ def tune_command(
     if blacklist:
         typer.echo(f"recommended layer blacklist: {report.recommended_blacklist or 'none'} "
                    f"({len(report.blacklist_trials)} layer(s) tried)")
-    typer.echo(f"wrote {json_path} and {png_path}")
+    thresholds = report.alert_thresholds
+    if thresholds is not None:
+        for name in ("ratio_low", "quality_red_line", "quality_risk_ratio"):
+            value = getattr(thresholds, name)
+            typer.echo(f"alert {name}: {'keep the default' if value is None else f'{value:g}'} "
+                       f"({thresholds.evidence.get(name, 'not measured')})")
+    typer.echo(f"wrote {json_path}, {png_path} and {rules_path}")
 
 
 def doctor_command(

@@ -132,3 +132,58 @@ def test_tune_command_bad_input(tmp_path):
     assert baseline.output.strip() == "error: target vllm is a baseline (openai): it does not prune, there is nothing to tune"
     unknown = runner.invoke(app, ["--target", "nope", "--config", str(config)])
     assert unknown.exit_code == 2 and "no target named 'nope'" in unknown.output
+
+
+def test_alert_thresholds_come_from_the_sweep_points():
+    """Curve: ratio 0.5 x s; quality 0.95 while layer 5 is bypassed, falling 0.2 per 0.1 above 0.6."""
+    report = tune(CurveTarget(), PROBES, TuneSettings(sensitivities=GRID, quality_floor=0.9,
+                                                      configured_red_line=0.44))
+    thresholds = report.alert_thresholds
+    # quality at 0.7 is 0.75 (< 0.9): the lowest ratio with lost quality is 0.35; the highest kept one 0.3 (s 0.6)
+    assert (thresholds.quality_risk_ratio, thresholds.quality_red_line) == (0.35, 0.3)
+    assert thresholds.ratio_low == pytest.approx(round(0.5 * 0.5 * report.recommended_sensitivity, 4))
+    assert set(thresholds.evidence) == {"ratio_low", "quality_red_line", "quality_risk_ratio"}
+    never_lost = tune(CurveTarget(), PROBES, TuneSettings(sensitivities=GRID, quality_floor=0.1,
+                                                          configured_red_line=0.44)).alert_thresholds  # worst: 0.15
+    assert never_lost.quality_risk_ratio is None and never_lost.quality_red_line is None  # keep the defaults
+    assert "never fell below 0.1" in never_lost.evidence["quality_risk_ratio"]
+
+
+@pytest.mark.integration
+def test_tune_on_a_model_writes_a_rules_override_that_promtool_accepts(probe_model_dir, tmp_path, calibration_dir):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.deploy.test_stack import PROBES as TWO_PROBES
+
+    out = tmp_path / "tune"
+    env = {**os.environ, "PRUNEWATCH_COLLECTOR_CALIBRATION_DIR": str(calibration_dir)}
+    done = subprocess.run([sys.executable, "-m", "prunewatch", "tune", "--model", str(probe_model_dir), "--device",
+                           "cpu", "--points", "0,0.5,1", "--probes", str(TWO_PROBES), "--quality-floor", "0.99",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "tune-probe-llama.json").read_text())
+    override = yaml.safe_load((out / "tune-probe-llama-rules.yaml").read_text())
+    thresholds = report["alert_thresholds"]
+    assert thresholds["quality_floor"] == 0.99 and set(thresholds["evidence"]) >= {"ratio_low", "quality_risk_ratio"}
+    assert {k: v for k, v in override.items() if k != "thresholds_source"} == {
+        k: thresholds[k] for k in ("ratio_low", "quality_red_line", "quality_risk_ratio") if thresholds[k] is not None}
+    assert override["thresholds_source"].startswith("`prunewatch tune` on probe-llama")
+    rules = tmp_path / "rules.yml"
+    rendered = subprocess.run([sys.executable, "-m", "prunewatch", "alerts", "render-rules", "--settings",
+                               str(out / "tune-probe-llama-rules.yaml"), "--out", str(rules)],
+                              capture_output=True, text=True, timeout=120, env=env)
+    assert rendered.returncode == 0, rendered.stderr
+    text = rules.read_text()
+    for name in ("ratio_low", "quality_red_line", "quality_risk_ratio"):
+        if name in override:
+            assert f" {override[name]:g}" in text
+    assert "was measured: `prunewatch tune` on probe-llama" in text or "quality_red_line" not in override
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (make system-deps installs it)")
+    checked = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
