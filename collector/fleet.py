@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from collector.exposition import start_metrics_server
 from collector.http_target import HttpTarget
 from collector.probe_round import RoundSummary
 from collector.pushgateway import Pushgateway
-from collector.scheduler import ProbeScheduler, TargetJob
+from collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
 from collector.spool import DiskSpool
 from collector.target_config import CollectorConfig, ResolvedTarget, TargetConfigError
 from collector.targets import InProcessTarget, Target
@@ -183,12 +182,10 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
     governor = governor_of(job.target for job in jobs)
     if governor is not None:  # the exposition is cached by CollectorMetrics' state key: bump it on each decision
         start_governing(governor, jobs, registry=metrics.registry, on_change=metrics.changed, store=db)
-    totals = {"rounds": 0, "results": 0, "failures": 0}
+    totals = RoundTotals()
 
     def round_done(summary: RoundSummary) -> None:
-        totals["rounds"] += 1
-        totals["results"] += len(summary.results)
-        totals["failures"] += summary.failed
+        totals.add(summary)
         if governor is not None and governor.governs(summary.target):
             governor.observe_round(summary)  # before the target's next round: it runs at the new setting
         if pusher is not None:
@@ -198,25 +195,15 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
 
     scheduler = ProbeScheduler([], None, [store, metrics, LogExporter()], jobs=jobs, rounds=settings.rounds,
                                misfire_grace_s=settings.misfire_grace_s, on_round=round_done)
-    restore = None
-    if threading.current_thread() is threading.main_thread():
-        restore = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, lambda *_: scheduler.done.set())
     try:
-        scheduler.start()
-        while not scheduler.done.wait(0.2):
-            if stop is not None and stop.is_set():
-                break
+        run_until_done(scheduler, stop)
     finally:
-        scheduler.shutdown()
         store.close(settings.drain_timeout_s)
         if pusher is not None:
             pusher.push()
         if server is not None:
             server.shutdown()
             server.server_close()
-        if restore is not None:
-            signal.signal(signal.SIGTERM, restore)
         for job in jobs:
             close = getattr(job.target, "close", None)
             if close is not None:
@@ -224,5 +211,5 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
         buffered = spool.depth
         spool.close()
         db.dispose()
-    return FleetOutcome(rounds=totals["rounds"], results=totals["results"], failures=totals["failures"],
+    return FleetOutcome(rounds=totals.rounds, results=totals.results, failures=totals.failures,
                         written=store.written, buffered=buffered)

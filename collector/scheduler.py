@@ -10,6 +10,7 @@ the same second.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -115,3 +116,44 @@ class ProbeScheduler:
         """Stop scheduling, let the running probe finish and be recorded, then return."""
         self.stop_event.set()
         self._scheduler.shutdown(wait=True)
+
+
+@dataclass
+class RoundTotals:
+    """What a run did, round by round (the outcome `run` and `collect` print)."""
+
+    rounds: int = 0
+    results: int = 0
+    failures: int = 0
+
+    def add(self, summary: RoundSummary) -> None:
+        self.rounds += 1
+        self.results += len(summary.results)
+        self.failures += summary.failed
+
+
+def run_until_done(scheduler: ProbeScheduler, stop: threading.Event | None = None,
+                   on_interrupt: Callable[[], None] | None = None) -> None:
+    """Run `scheduler` until its rounds are done, `stop` is set, SIGTERM arrives or Ctrl-C is pressed.
+
+    The probe in flight is finished and recorded in every case (shutdown waits for it). SIGTERM is
+    handled only from the main thread (signal handlers cannot be set elsewhere) and restored after.
+    Ctrl-C calls `on_interrupt` (say that the run is stopping) instead of propagating.
+    """
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        restore = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *_: scheduler.stop_event.set() or scheduler.done.set())
+    try:
+        scheduler.start()
+        while not scheduler.done.wait(0.2):
+            if stop is not None and stop.is_set():
+                break
+    except KeyboardInterrupt:
+        if on_interrupt is None:
+            raise
+        on_interrupt()
+    finally:
+        scheduler.shutdown()
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)

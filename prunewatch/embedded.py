@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +17,7 @@ from collector.exposition import start_metrics_server
 from collector.governor import GovernedTarget, Governor, GovernorSettings, start_governing
 from collector.live_table import round_table
 from collector.probe_round import RoundSummary
-from collector.scheduler import ProbeScheduler, TargetJob
+from collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
 from collector.settings import CollectorSettings
 from collector.targets import InProcessTarget
 from engine import EngineSettings, PruningEngine
@@ -118,16 +117,14 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
                         on_change=metrics.changed, store=db)
         console.print(f"governor: token agreement floor {governor.floor:g}, sensitivity "
                       f"{governor.min_sensitivity:g}..{governor.max_sensitivity:g}")
-    totals = {"results": 0, "failures": 0, "rounds": 0}
+    totals = RoundTotals()
     live = Live(console=console, auto_refresh=False, transient=False)
 
     def on_round(summary: RoundSummary) -> None:
-        totals["rounds"] += 1
-        totals["results"] += len(summary.results)
-        totals["failures"] += summary.failed
+        totals.add(summary)
         if governing is not None:
             governing.observe_round(summary)  # before the next round, which runs at the new setting
-        live.update(round_table(summary, totals["rounds"]), refresh=True)
+        live.update(round_table(summary, totals.rounds), refresh=True)
         if alerting is not None:
             alerting.after_round(utcnow())  # never raises; transitions and deliveries are logged
 
@@ -135,19 +132,11 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
     scheduler = ProbeScheduler([target], probe_set, [sql, metrics, LogExporter()], interval_s=settings.interval_s,
                                rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round,
                                jobs=[job])
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *_: scheduler.stop_event.set() or scheduler.done.set())
     try:
         with live:
-            scheduler.start()
-            try:
-                scheduler.wait()
-            except KeyboardInterrupt:
-                console.print("stopping: finishing the probe in flight")
+            run_until_done(scheduler, on_interrupt=lambda: console.print("stopping: finishing the probe in flight"))
     finally:
-        scheduler.shutdown()
-        signal.signal(signal.SIGTERM, previous)
         if server is not None:
             server.shutdown()
         db.dispose()
-    return RunOutcome(rounds=totals["rounds"], results=totals["results"], failures=totals["failures"])
+    return RunOutcome(rounds=totals.rounds, results=totals.results, failures=totals.failures)

@@ -268,7 +268,7 @@ def test_run_settings_come_from_flag_then_environment_then_default(tmp_path, pro
     from prunewatch.cli import app
 
     seen = {}
-    monkeypatch.setattr(prunewatch.embedded, "run_embedded", lambda settings: seen.setdefault("settings", settings)
+    monkeypatch.setattr(prunewatch.embedded, "run_embedded", lambda settings, **_: seen.setdefault("settings", settings)
                         and prunewatch.embedded.RunOutcome(0, 0, 0))
     # model_folder resolves (and for the default, pulls) the model; here it only shows what it was asked for.
     monkeypatch.setattr("prunewatch.cli.model_folder", lambda spec: Path(spec) if spec else Path("default-model"))
