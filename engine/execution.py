@@ -1,19 +1,26 @@
 """Run a transformers model under a per-request execution plan and count the work that really ran.
 
-Two independent mechanisms, so the pruning ratio is measured rather than predicted:
+The count comes from what the plan decided and what the kernels report, never from a Python hook
+on every linear layer per token (that hook cost 16% of the decode speed of a 30-block model):
 - `BypassBlock` wraps each decoder block. When the active plan bypasses the block, it returns the
   residual stream unchanged *before* any of the block's work runs (packed as the block packs its
   own output: a tensor, or a tuple for families such as Falcon); otherwise it calls the block.
-  Either way it adds the dense cost of that block for the tokens it saw to the ledger.
-- forward hooks on every linear layer inside the blocks (and on the output head) add the FLOPs
-  of each call that actually executed.
-pruning_ratio = 1 - executed / dense. A block that ran and whose output was discarded would still
-count as executed, because its linears' hooks fired. The ratio is never clamped: a negative value
-means work was over-counted, and the ledger logs a warning and says so (`overcounted`).
+  Either way it adds the dense cost of that block for the tokens it saw to the ledger; when the
+  block runs it also adds, as executed, the work of the linear layers the block really calls (seen
+  once, at wrap time, by a dense pass with temporary hooks, so a linear that a family never calls
+  is never counted).
+- Modules inside a block that compute less than their dense linear layer (the sparse kernel of
+  engine.sparse, gated heads of engine.heads) report the work they skipped with
+  `record_skipped_work`: the kernel's count of the weight rows it did not read.
+- one forward hook on the output head (one call per forward pass) adds the head's work.
+pruning_ratio = 1 - executed / dense. A block that ran and whose output was discarded still counts
+as executed. The ratio is never clamped: a negative value means work was over-counted, and the
+ledger logs a warning and says so (`overcounted`). An independent, hook-per-linear count is kept
+as the tests' oracle (tests/engine/sparse_oracle.py).
 
 The active plan and ledger live in a ContextVar, so concurrent requests on different threads never
 see each other's plans or counts. No transformers forward code is copied: blocks are wrapped and
-linear layers are hooked, nothing else.
+the head is hooked, nothing else.
 """
 
 from __future__ import annotations
@@ -111,6 +118,7 @@ class ExecutionLedger:
     prefill_dense_flops: int | None = None
     prefill_sparse_dense_flops: int = 0  # ... and of the sparsity-wrapped subtotal
     prefill_sparse_executed_flops: int = 0
+    prefill_bytes_read: int = 0  # weight_bytes_read + kv_bytes_read at the end of the prefill
     # Set once the over-counting warning was logged, so reading the ratios again does not repeat it.
     _overcount_warned: bool = field(default=False, repr=False, compare=False)
 
@@ -147,6 +155,21 @@ class ExecutionLedger:
         self.prefill_executed_flops, self.prefill_dense_flops = self.executed_flops, self.dense_flops
         self.prefill_sparse_dense_flops, self.prefill_sparse_executed_flops = (
             self.sparse_dense_flops, self.sparse_executed_flops)
+        self.prefill_bytes_read = self.weight_bytes_read + self.kv_bytes_read
+
+    @property
+    def decode_bytes_read(self) -> int:
+        """Weight and KV cache bytes the decode steps read (everything counted after the prefill)."""
+        if self.prefill_dense_flops is None:
+            return 0
+        return self.weight_bytes_read + self.kv_bytes_read - self.prefill_bytes_read
+
+    @property
+    def decode_sparse_dense_flops(self) -> int:
+        """Dense cost of the decode steps' calls to sparsity-wrapped layers that ran under a target."""
+        if self.prefill_dense_flops is None:
+            return 0
+        return self.sparse_dense_flops - self.prefill_sparse_dense_flops
 
     @property
     def prefill_pruning_ratio(self) -> float:
@@ -215,11 +238,28 @@ def current_execution() -> tuple[ExecutionPlan, ExecutionLedger] | None:
 
 
 def record_linear_work(executed_flops: int, weight_bytes: int) -> None:
-    """Count linear work done outside an nn.Linear forward (so no counting hook fired for it)."""
+    """Count linear work done outside any decoder block (whose own count covers the work inside it)."""
     active = _ACTIVE.get()
     if active is not None:
         active.ledger.executed_flops += int(executed_flops)
         active.ledger.weight_bytes_read += int(weight_bytes)
+
+
+def record_skipped_work(skipped_flops: int, skipped_bytes: int, ledger: ExecutionLedger | None = None) -> None:
+    """Take work that a module inside a running block did not do off that block's executed count.
+
+    A running block counts its linear layers' dense work as executed; a module that computed less
+    (the sparse kernel: weight rows of inactive channels never read; gated heads: their slices)
+    reports the difference here, from what it really ran. `ledger`: the one in hand, if the caller
+    already looked the active execution up.
+    """
+    if ledger is None:
+        active = _ACTIVE.get()
+        if active is None:
+            return
+        ledger = active.ledger
+    ledger.executed_flops -= int(skipped_flops)
+    ledger.weight_bytes_read -= int(skipped_bytes)
 
 
 def _linear_flops_per_row(module: nn.Module) -> int | None:
@@ -234,16 +274,6 @@ def _linear_flops_per_row(module: nn.Module) -> int | None:
 
 def _rows(tensor: torch.Tensor) -> int:
     return int(tensor.numel() // tensor.shape[-1])
-
-
-def _count_linear(flops_per_row: int) -> Callable:
-    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        active = _ACTIVE.get()
-        if active is not None:
-            active.ledger.executed_flops += flops_per_row * _rows(inputs[0])
-            active.ledger.weight_bytes_read += module.weight.numel() * module.weight.element_size()
-
-    return hook
 
 
 def _count_head(flops_per_row: int) -> Callable:
@@ -268,11 +298,15 @@ class BypassBlock(nn.Module):
     family's code; a bypass returns (hidden states, None, ...) for a tuple of n: nothing was computed.
     """
 
-    def __init__(self, block: nn.Module, index: int, dense_flops_per_row: int) -> None:
+    def __init__(self, block: nn.Module, index: int, dense_flops_per_row: int, weight_bytes: int = 0) -> None:
         super().__init__()
         self.block = block
         self.index = index
-        self.dense_flops_per_row = dense_flops_per_row
+        self.dense_flops_per_row = dense_flops_per_row  # every linear layer inside, one token row
+        # What a call of the block executes when nothing inside skips work: its linear layers that the
+        # family's forward really calls (`_learn_block_outputs` finds them; until then, all of them).
+        self.executed_flops_per_row = dense_flops_per_row
+        self.weight_bytes = weight_bytes  # bytes of those layers' weights, read once per call
         # None: the block has not run yet; 0: it returns a bare tensor; n >= 1: a tuple of n items
         # whose first is the hidden states.
         self.output_arity: int | None = None
@@ -289,11 +323,15 @@ class BypassBlock(nn.Module):
         if active is None:
             return self._run(hidden_states, *args, **kwargs)
         ledger = active.ledger
-        ledger.dense_flops += self.dense_flops_per_row * _rows(hidden_states)
+        rows = _rows(hidden_states)
+        ledger.dense_flops += self.dense_flops_per_row * rows
         if self.index in active.plan.bypass:
             ledger.block_bypasses[self.index] = ledger.block_bypasses.get(self.index, 0) + 1
             return self._identity(hidden_states)  # this block's KV cache is never written
         ledger.block_calls[self.index] = ledger.block_calls.get(self.index, 0) + 1
+        # Counted before the call: modules inside that skip work take it off (record_skipped_work).
+        ledger.executed_flops += self.executed_flops_per_row * rows
+        ledger.weight_bytes_read += self.weight_bytes
         return self._run(hidden_states, *args, **kwargs)
 
     def _run(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -334,7 +372,7 @@ def find_decoder_blocks(model: nn.Module) -> nn.ModuleList:
 
 @dataclass(frozen=True)
 class InstrumentedModel:
-    """A model whose blocks are wrapped and whose linear layers are counted."""
+    """A model whose blocks are wrapped (and counted) and whose output head is counted."""
 
     model: nn.Module
     blocks: list[BypassBlock]
@@ -346,24 +384,24 @@ class InstrumentedModel:
 
 
 def instrument(model: nn.Module) -> InstrumentedModel:
-    """Wrap every decoder block and hook every linear layer; idempotent for an instrumented model."""
+    """Wrap every decoder block and hook the output head; idempotent for an instrumented model."""
     block_list = find_decoder_blocks(model)
     if all(isinstance(b, BypassBlock) for b in block_list):
         wrapped = list(block_list)
     else:
         wrapped = []
         for index, block in enumerate(block_list):
-            per_row = 0
+            per_row = weight_bytes = 0
             for module in block.modules():
                 flops = _linear_flops_per_row(module)
                 if flops is not None:
-                    module.register_forward_hook(_count_linear(flops))
                     per_row += flops
+                    weight_bytes += module.weight.numel() * module.weight.element_size()
             if per_row == 0:
                 raise UnsupportedArchitectureError(
                     f"decoder block {index} of {type(model).__name__} has no linear layers to count"
                 )
-            wrapper = BypassBlock(block, index, per_row)
+            wrapper = BypassBlock(block, index, per_row, weight_bytes)
             block_list[index] = wrapper
             wrapped.append(wrapper)
         head = model.get_output_embeddings()
@@ -380,14 +418,31 @@ def instrument(model: nn.Module) -> InstrumentedModel:
 
 def _learn_block_outputs(model: nn.Module, blocks: list[BypassBlock]) -> None:
     """One dense, cache-less forward pass of a single token, outside any plan (so nothing is counted),
-    for every block to show the shape of its output before any request can bypass it."""
+    for every block to show the shape of its output before any request can bypass it, and which of
+    its linear layers its forward really calls (temporary hooks, removed after this one pass)."""
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type == "meta":
         return  # nothing to run yet: the blocks learn on their first real call
-    with torch.no_grad():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=parameter.device), use_cache=False)  # (1, 1)
+    called: dict[int, list[tuple[int, int]]] = {b.index: [] for b in blocks}
+    handles = []
+    for b in blocks:
+        for module in b.block.modules():
+            flops = _linear_flops_per_row(module)
+            if flops is not None:
+                work = (flops, module.weight.numel() * module.weight.element_size())
+                handles.append(module.register_forward_hook(
+                    lambda _m, _i, _o, index=b.index, work=work: called[index].append(work)))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=parameter.device), use_cache=False)  # (1, 1)
+    finally:
+        for handle in handles:
+            handle.remove()
     unseen = [b.index for b in blocks if b.output_arity is None]
     if unseen:
         raise UnsupportedArchitectureError(
             f"{type(model).__name__}'s forward pass did not call decoder blocks {unseen}; they cannot be "
             "wrapped for bypass")
+    for b in blocks:
+        b.executed_flops_per_row = sum(flops for flops, _ in called[b.index])
+        b.weight_bytes = sum(nbytes for _, nbytes in called[b.index])

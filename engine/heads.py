@@ -14,9 +14,10 @@ value head writes zeros into the KV cache at every step and no kept head ever re
 and decode see the same attention.
 
 Each projection is wrapped (`HeadGatedProjection`), never patched: without a plan, or when the plan
-gates nothing in its block, the wrapped layer runs untouched and its counting hook fires. When
-heads are gated the wrapper multiplies slices of the layer's own weight (views, no copy) and
-records the work it really did with `record_linear_work`. When activation sparsity is installed
+gates nothing in its block, the wrapped layer runs untouched and stays counted as the dense work
+its block counted. When heads are gated the wrapper multiplies slices of the layer's own weight
+(views, no copy) and takes the work of the slices it did not compute off the ledger with
+`record_skipped_work`. When activation sparsity is installed
 under the wrapper, o_proj hands the zeroed columns to the sparse kernel (which skips zero inputs)
 and q/k/v let the kernel compute every output column: the ledger then counts that full work, so
 the ratio never claims a saving that did not happen.
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.execution import InstrumentedModel, current_execution, record_linear_work
+from engine.execution import InstrumentedModel, current_execution, record_skipped_work
 from engine.sparse.module import SparseLinear
 from engine.sparse.targets import in_out, is_conv1d
 
@@ -176,7 +177,7 @@ class HeadGatedProjection(nn.Module):
             rows = weight[:, start:end].t() if conv1d else weight[start:end]
             out[..., start:end] = F.linear(x, rows, None if bias is None else bias[start:end])
             kept += end - start
-        self._record(x, in_features * kept, weight.element_size())
+        self._record(x, in_features * (out_features - kept), weight.element_size())
         return out
 
     def _input_gated(self, x: torch.Tensor, gated: frozenset[int], ranges: tuple[tuple[int, int], ...],
@@ -185,6 +186,7 @@ class HeadGatedProjection(nn.Module):
             return self.inner(x * self._mask(gated, ranges, x))  # the kernel never reads zero inputs' rows
         weight, bias, conv1d = self._weight()
         out_features = weight.shape[1] if conv1d else weight.shape[0]
+        in_features = x.shape[-1]
         out = None
         kept = 0
         for start, end in ranges:
@@ -196,13 +198,14 @@ class HeadGatedProjection(nn.Module):
             out = x.new_zeros(*x.shape[:-1], out_features)
         if bias is not None:
             out = out + bias
-        self._record(x, kept * out_features, weight.element_size())
+        self._record(x, (in_features - kept) * out_features, weight.element_size())
         return out
 
     @staticmethod
-    def _record(x: torch.Tensor, weight_entries: int, element_size: int) -> None:
+    def _record(x: torch.Tensor, skipped_entries: int, element_size: int) -> None:
+        """Take the weight entries this call did not multiply off its block's dense count."""
         rows = x.numel() // x.shape[-1]
-        record_linear_work(2 * weight_entries * rows, weight_entries * element_size)
+        record_skipped_work(2 * skipped_entries * rows, skipped_entries * element_size)
 
 
 @dataclass(frozen=True)

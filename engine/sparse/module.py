@@ -3,17 +3,18 @@
 It wraps an existing nn.Linear (or GPT-2 Conv1D) without copying any model code. Under an
 execution plan that asks for activation sparsity, a call with few rows (decode steps) goes to the
 sparse kernel of its device (compiled C++ on the CPU, Triton on CUDA), which reads only the weight
-rows of active input channels and reports how many it read; the call counts 2 x active x out x
-rows FLOPs in the ledger, and the wrapped layer's own counting hook does not fire because the
-layer is not called. A call with many rows (a long prefill) is compute-bound, where skipping rows
-of a weight matrix saves no time: it applies the same mask and runs the dense layer, whose hook
-counts it as dense work. Without a plan, or with a target of 0, the dense layer runs untouched and
-is counted as dense.
+rows of active input channels and reports how many it read. Its decoder block counted the layer
+as dense work when it started; the call takes 2 x (in - active) x out x rows FLOPs (the weight rows
+it never read) back off the ledger. A call with many rows (a long prefill) is compute-bound, where
+skipping rows of a weight matrix saves no time: it applies the same mask and runs the dense layer,
+which stays counted as dense work. Without a plan, or with a target of 0, the dense layer runs
+untouched and is counted as dense.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
@@ -90,6 +91,9 @@ class SparseLinear(LinearWrapper):
         self._flops_per_active_row = 2 * self.out_features  # per active input channel and token row
         self._bytes_per_active = self.out_features * weight_t.element_size()  # one weight row read
         self._thresholds_by_target: dict[float, float] = {}
+        # (plan, target_under(plan)) of the last call: a request's ~7 calls per block per token share one
+        # plan, and hashing a frozen plan costs more than the comparison by identity.
+        self._last_target: tuple[ExecutionPlan | None, float] = (None, 0.0)
 
     def __getattr__(self, name: str):
         # model code may read attributes such as `weight` or `in_features` off its projections.
@@ -117,9 +121,12 @@ class SparseLinear(LinearWrapper):
         if execution is None:
             return self.linear(x)
         plan, ledger = execution
-        target = self.target_under(plan)
+        last_plan, target = self._last_target  # one tuple read: threads may replace it concurrently
+        if last_plan is not plan:
+            target = self.target_under(plan)
+            self._last_target = (plan, target)  # holds the plan, so `is` can never match a reused id
         if target <= 0.0:
-            return self.linear(x)
+            return self._dense(x)
         in_features = self.in_features
         rows = x.numel() // in_features
         dense_flops = self._dense_flops_per_row * rows
@@ -132,18 +139,27 @@ class SparseLinear(LinearWrapper):
         if rows > self.max_kernel_rows:
             return self._masked_dense(x, ledger, threshold, keep, dense_flops)
         # The decode hot path (~7 calls per block per token): buffers read directly, the bias and
-        # per-channel costs precomputed, and the work counted on the ledger in hand rather than
-        # through record_linear_work, which would look the active execution up again.
+        # per-channel costs precomputed, and the skipped work taken off the ledger in hand rather
+        # than through record_skipped_work, which would look the active execution up again.
         buffers = self._buffers
         kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
         output, active, kept = kernel(x if x.dim() == 2 else x.reshape(rows, in_features), buffers["weight_t"],
                                       self._bias[0], buffers["scale"], threshold, keep, self.kernel_threads)
         executed = self._flops_per_active_row * active * rows
-        ledger.executed_flops += executed
-        ledger.weight_bytes_read += self._bytes_per_active * active
+        # The block counted this layer dense; the kernel's own count of active channels says what it skipped.
+        ledger.executed_flops -= dense_flops - executed
+        ledger.weight_bytes_read -= self._bytes_per_active * (in_features - active)
         ledger.sparse_executed_flops += executed
         ledger.sparse_kept_entries += kept
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The wrapped layer's own product. nn.Linear is computed directly (one module call less on the
+        dense decode path, ~7 per block per token) unless something hooked it, which then still fires."""
+        linear = self.linear
+        if self._conv1d or linear._forward_hooks or linear._forward_pre_hooks:
+            return linear(x)
+        return F.linear(x, linear.weight, linear.bias)
 
     def _shared_keep(self, plan: ExecutionPlan, x: torch.Tensor, target: float) -> int:
         """Channels the rows share under the shared policy at a decode step; -1 for the row policy."""
@@ -154,7 +170,7 @@ class SparseLinear(LinearWrapper):
 
     def _masked_dense(self, x: torch.Tensor, ledger: ExecutionLedger, threshold: float, keep: int,
                       dense_flops: int) -> torch.Tensor:
-        """Same mask as the kernel, dense matmul: the wrapped layer's hook counts it as dense work."""
+        """Same mask as the kernel, dense matmul: it stays counted as the dense work its block counted."""
         scale = self.scale.to(x.device)
         score = x.abs().float() * scale  # (..., in)
         if keep < 0:

@@ -1,7 +1,11 @@
-"""An independent count of what one activation-sparse kernel call had to read, for tests to compare
-with the engine's ledger: the union over the call's rows of the input channels above threshold."""
+"""Independent counts for tests to compare with the engine's ledger: what one activation-sparse kernel
+call had to read (the union over the call's rows of the input channels above threshold), and the
+whole model's executed and dense work counted by a Python hook on every linear layer per call."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 
@@ -18,3 +22,93 @@ def count_kernel_call(module, x: torch.Tensor, target: float, oracle: dict[str, 
         oracle["skipped"] = oracle.get("skipped", 0) + 2 * module.out_features * (module.in_features - active) * rows.shape[0]
         oracle["kernel_calls"] = oracle.get("kernel_calls", 0) + 1
     return keep
+
+
+def _linear_work(module) -> int | None:
+    """2 x in x out from the weight's shape, for nn.Linear and GPT-2's Conv1D; None otherwise."""
+    if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+        return 2 * module.weight.numel()
+    return None
+
+
+@contextlib.contextmanager
+def hook_count(instrumented) -> Iterator[dict[str, int]]:
+    """An independent count of one model's work: a forward hook on every linear layer that runs (the way
+    the engine used to count, at a Python hook per linear per token), a pre-hook on each sparse kernel
+    call (the union of its rows' active channels, recomputed here) and on each head-gated projection
+    (its kept slices). Yields {"executed": ..., "dense": ...} filled while the context is open.
+
+    Dense work: every linear inside each decoder block the plan entered, plus the head, from weight
+    shapes. Nothing is read from the engine's ledger.
+    """
+    from engine.execution import current_execution
+    from engine.heads import HeadGatedProjection
+    from engine.sparse import SparseLinear
+
+    count = {"executed": 0, "dense": 0}
+    handles = []
+
+    def rows_of(x: torch.Tensor) -> int:
+        return x.numel() // x.shape[-1]
+
+    def on_linear(module, args, output) -> None:
+        count["executed"] += _linear_work(module) * rows_of(args[0])
+
+    def on_sparse(module, args) -> None:
+        plan = current_execution()[0] if current_execution() is not None else None
+        target = module.target_under(plan) if plan is not None else 0.0
+        rows = rows_of(args[0])
+        if target > 0.0 and rows <= module.max_kernel_rows:  # kernel path: the inner layer is not called
+            flat = args[0].reshape(-1, module.in_features)
+            threshold = torch.tensor(module.thresholds.at(target), dtype=torch.float32)
+            active = int((flat.abs().float() * module.scale > threshold).any(dim=0).sum())
+            count["executed"] += 2 * module.out_features * active * rows
+
+    def on_gated(module, args) -> None:
+        plan = current_execution()[0] if current_execution() is not None else None
+        gated = plan.heads_gated_in(module.layer) if plan is not None else frozenset()
+        sparse = isinstance(module.inner, SparseLinear) and module.inner.target_under(plan) > 0.0
+        if not gated or sparse:
+            return  # the inner layer runs and its own hooks count it
+        in_features = args[0].shape[-1]
+        out_features = module.dense_layer().weight.numel() // in_features
+        kept = sum(end - start for start, end in module.kept(gated))
+        # output role: kept output features x every input; input role: kept inputs x every output
+        per_row = kept * in_features if module.role == "output" else kept * out_features
+        count["executed"] += 2 * per_row * rows_of(args[0])
+
+    def on_block(block_work: int):
+        def hook(module, args, kwargs) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if current_execution() is not None:
+                count["dense"] += block_work * rows_of(hidden)
+        return hook
+
+    def on_head(module, args, output) -> None:
+        work = _linear_work(module) * rows_of(args[0])
+        count["executed"] += work
+        count["dense"] += work
+
+    for wrapper in instrumented.blocks:
+        block_work = 0
+        for module in wrapper.block.modules():
+            work = _linear_work(module)
+            if work is not None:
+                block_work += work
+                handles.append(module.register_forward_hook(on_linear))
+            elif isinstance(module, SparseLinear):
+                handles.append(module.register_forward_pre_hook(on_sparse))
+            elif isinstance(module, HeadGatedProjection):
+                handles.append(module.register_forward_pre_hook(on_gated))
+        handles.append(wrapper.register_forward_pre_hook(on_block(block_work), with_kwargs=True))
+    handles.append(instrumented.model.get_output_embeddings().register_forward_hook(on_head))
+    try:
+        yield count
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def oracle_ratio(count: dict[str, int]) -> float:
+    """1 - executed / dense of a hook_count."""
+    return 1.0 - count["executed"] / count["dense"] if count["dense"] else 0.0
