@@ -42,6 +42,19 @@ class TokenDelta:
     token_id: int
 
 
+@dataclass(frozen=True)
+class DecodeMeasurement:
+    """One fixed-length greedy decode (PruningEngine.measure_decode)."""
+
+    tokens: list[int]  # every generated token id, the first (from the prefill) included
+    decode_s: float  # wall clock from the first generated token to the last: len(tokens) - 1 decode steps
+    ledger: ExecutionLedger  # the work counted, prefill and decode apart
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
@@ -145,19 +158,12 @@ class PruningEngine:
         sparse kernel on every block's linear layers. Raises SparseKernelUnavailableError where the
         device has no kernel (no compiler on the CPU, no triton on CUDA, any other device): a sparse
         request is never run dense while reported as sparse."""
-        from engine.sparse import SparsityCalibration, calibrate_sparsity_on_texts, install_sparsity
+        from engine.sparse import install_sparsity
+        from engine.sparse.calibration import load_or_calibrate_sparsity
 
         if self._sparsity is not None:
             return
-        path = self.calibration_path(corpus_digest).with_suffix(".sparsity.json")
-        if path.is_file():
-            sparsity_calibration = SparsityCalibration.load(path)
-        else:
-            texts = [text for domain in sorted(texts_by_domain) for text in texts_by_domain[domain]]
-            sparsity_calibration = calibrate_sparsity_on_texts(
-                self.instrumented, self.loaded.tokenizer, texts, model_fingerprint=self.loaded.fingerprint,
-                corpus_digest=corpus_digest)
-            sparsity_calibration.save(path)
+        sparsity_calibration = load_or_calibrate_sparsity(self, texts_by_domain, corpus_digest)  # per settings
         self._sparsity = install_sparsity(self.instrumented, sparsity_calibration,
                                           model_fingerprint=self.loaded.fingerprint)
 
@@ -228,7 +234,7 @@ class PruningEngine:
 
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
-                max_new_tokens: int, use_cache: bool) -> Iterator[int]:
+                max_new_tokens: int, use_cache: bool, stop_at_eos: bool = True) -> Iterator[int]:
         """Greedy decoding under `plan`; yields token ids as they are produced."""
         from transformers import DynamicCache
 
@@ -254,10 +260,27 @@ class PruningEngine:
                     ledger.end_prefill()
                 token = int(out.logits[0, -1].argmax())
                 yield token
-                if token in self._eos_ids:
+                if stop_at_eos and token in self._eos_ids:
                     return
                 step_ids = torch.tensor([[token]], device=device)
                 ids = torch.cat([ids, step_ids], dim=1)
+
+    def measure_decode(self, prompt_ids: Sequence[int], plan: ExecutionPlan, new_tokens: int) -> DecodeMeasurement:
+        """Greedy-decode exactly `new_tokens` tokens under `plan` (end of sequence does not stop it, as
+        vLLM's ignore_eos), for benchmarks: the decode loop of every request, without tokenizing,
+        streaming text or stats; timed from the first generated token to the last."""
+        if new_tokens < 2:
+            raise InvalidRequestError(f"measuring decode needs at least 2 new tokens, got {new_tokens}")
+        ledger = ExecutionLedger()
+        tokens: list[int] = []
+        first_at = 0.0
+        for token in self._decode(list(prompt_ids), plan, ledger, new_tokens, use_cache=True, stop_at_eos=False):
+            tokens.append(token)
+            if len(tokens) == 1:
+                first_at = time.perf_counter()
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        return DecodeMeasurement(tokens=tokens, decode_s=time.perf_counter() - first_at, ledger=ledger)
 
     def stream(
         self,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from engine import EngineSettings, ModelLoadError, PruningEngine, UnsupportedArchitectureError
 from engine.execution import ExecutionLedger, ExecutionPlan, executing
 from engine.sparse import SparseLinear
-from tests.engine.sparse_oracle import count_kernel_call
+from tests.engine.sparse_oracle import count_kernel_call, hook_count, oracle_ratio
 from engine.sparse.targets import is_conv1d, projection_family
 
 GOLDEN = Path(__file__).parent / "golden" / "families.json"
@@ -47,7 +47,9 @@ TEXTS = {"tech": ["The routing table lists the default gateway.", "Decode is mem
          "legal": ["The licensee shall indemnify the licensor against all claims."]}
 PROMPT, SYSTEM = "Show the routing table.", "You are an administrator."
 # Every mechanism on, explicitly (the engine's defaults leave bypass and head gating off).
-MECHANISMS = dict(influence_budget=0.5, head_gating=True, head_budget=0.05, activation_sparsity=0.5)
+# Uniform thresholds: the golden pruned logits pin the family plumbing, not the greedy plan (tests/engine/test_allocation.py).
+MECHANISMS = dict(influence_budget=0.5, head_gating=True, head_budget=0.05, activation_sparsity=0.5,
+                  sparsity_allocation="uniform")
 BYPASS = frozenset({1, 2})
 # Bypass, gated heads and activation sparsity together (4 blocks of 4 query heads).
 COMBINED = ExecutionPlan(frozenset({1}), activation_sparsity=0.5,
@@ -228,7 +230,7 @@ def test_family_bypass_equals_the_model_with_that_block_replaced_by_identity(fam
 
 
 def _masked_linear(module: SparseLinear, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The dense layer on the masked input, by hand (calling the layer would fire its counting hook)."""
+    """The dense layer on the masked input, by hand (calling the layer would fire any hook counting it)."""
     weight, bias = module.linear.weight, module.linear.bias
     masked = x * mask
     out = masked @ weight if is_conv1d(module.linear) else F.linear(masked, weight)
@@ -333,3 +335,19 @@ def test_unsupported_families_are_refused_at_load_with_one_line(family, tmp_path
         PruningEngine.load(EngineSettings(model_dir=folder, device="cpu", calibration_dir=tmp_path, **MECHANISMS))
     message = str(raised.value)
     assert reason in message and "\n" not in message
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_ratio_agrees_with_an_independent_hook_count(family, family_runs):
+    """The ledger counts from blocks, the plan and the kernels' reports; a Python hook on every linear
+    per call (tests/engine/sparse_oracle.py) counts the same decode independently: within 1%, and in
+    fact to the FLOP."""
+    run = family_runs(family)
+    engine, prompt = run.engine, run.ids[0].tolist()
+    for plan in (ExecutionPlan(), ExecutionPlan(activation_sparsity=0.5), COMBINED):
+        ledger = ExecutionLedger()
+        with hook_count(engine.instrumented) as count:
+            tokens = list(engine._decode(prompt, plan, ledger, STEPS, use_cache=True))
+        assert tokens and count["dense"] == ledger.dense_flops
+        assert ledger.pruning_ratio == pytest.approx(oracle_ratio(count), abs=0.01)
+        assert ledger.executed_flops == count["executed"]
