@@ -4,7 +4,8 @@
 #   2. the Triton kernel against dense torch at batch 1/4/8 with NaN in every inactive weight row,
 #      and the sparse engine on CUDA against a masked dense run of the same model;
 #   3. the engine benchmark on CUDA (quick mode, then the full speed part if time is left);
-#   4. DRAM bytes per instruction of one dense and one sparse decode step, if `ncu` is on PATH.
+#   4. DRAM bytes per instruction of one dense and one sparse decode step, if `ncu` is on PATH;
+#   5. (informational) decode speed against the measured read bandwidth, bench/speed.py --device cuda.
 #
 # Usage: bash bench/gpu_check.sh            (from anywhere; results in $OUT, else bench/results/gpu/)
 # Environment: OUT (result folder), GPU_CHECK_BUDGET_S (total seconds, default 360),
@@ -288,6 +289,11 @@ else
   log "SKIP ncu: Nsight Compute's ncu is not on PATH (set PRUNEWATCH_NCU to its path to measure DRAM bytes)"
 fi
 step bench-full-speed 300 check "$PY" -m bench.engine --device cuda --skip-quality --no-plot --out "$OUT_DIR/engine-cuda.json"
+# Decode speed against the GPU's read bandwidth (bench/speed.py); informational, last, only with time left.
+speed_args=()
+[[ -f "$HOME/.cache/prunewatch/models/SmolLM2-135M-Instruct/config.json" ]] || speed_args=(--no-real)
+step bench-decode-speed 240 info "$PY" -m bench.speed --device cuda ${speed_args[@]+"${speed_args[@]}"} \
+  --out "$OUT_DIR/speed-cuda.json" --plot "$OUT_DIR/speed-cuda.png"
 
 log "done in $((SECONDS - START_S)) s; results in $OUT_DIR"
 if ((${#FAILURES[@]})); then

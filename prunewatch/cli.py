@@ -244,6 +244,24 @@ def bench_mechanisms_command(ctx: typer.Context) -> None:
     raise typer.Exit(bench_main(list(ctx.args)))
 
 
+@bench_app.command("frontier", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_frontier_command(ctx: typer.Context) -> None:
+    """Decode pruning ratio against agreement, held-out perplexity and decode speed for each mechanism and
+    allocation (TEAL's uniform rule as the baseline), all in one run; JSON + plot in bench/results."""
+    from bench.frontier import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
+@bench_app.command("speed", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_speed_command(ctx: typer.Context) -> None:
+    """The machine's read bandwidth, then plain transformers, engine dense and engine at its defaults decoding
+    the real model and the 0.67 B shape, interleaved: tokens/s, bytes per token, share of bandwidth, bound."""
+    from bench.speed import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
 def _mount_groups() -> None:
     """Command groups whose parts own their command functions."""
     from prunewatch.commands import alerts as alerts_cli

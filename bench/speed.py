@@ -1,0 +1,414 @@
+"""Decode speed against the hardware: `prunewatch bench speed` (or `python -m bench.speed`).
+
+One run measures, on this machine:
+1. its read bandwidth: a STREAM-like read (a sum, and a matrix-vector product, the faster counts) of
+   a buffer far larger than the caches, several times before the decodes and once per round among
+   them (on a shared host the ceiling moves with the load; the best sample is the fractions' ceiling);
+2. for the real model (SmolLM2-135M-Instruct) and for the 0.67 B benchmark shape (random weights,
+   bench.engine.SpeedModelConfig), greedy decoding by plain transformers (`generate`), by the engine
+   at sensitivity 0 (dense) and by the engine at its default operating point (EngineSettings
+   defaults: calibrated activation sparsity scaled by the request's effective sensitivity).
+Per run: decode tokens/s (median and spread over rounds whose order rotates), the bytes one decode
+step really reads (weights of the linears that ran minus the rows the sparse kernel skipped, the
+head, the KV cache; counted by the execution ledger, not estimated), the share of the measured
+bandwidth that makes, the speedup against plain transformers, and for the pruned run the fraction
+of the bound 1 / (1 - s f) it reaches (s: measured decode activation sparsity, f: share of a decode
+step's bytes in the layers that ran sparse). Writes JSON and a PNG plot; prints a table.
+Tests never assert timings: tests/engine/test_speed_bench.py checks structure on the probe model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger("prunewatch.bench.speed")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS = REPO_ROOT / "bench" / "results"
+REAL_MODEL_DIR = Path.home() / ".cache" / "prunewatch" / "models" / "SmolLM2-135M-Instruct"
+PROBE_MODEL_DIR = REPO_ROOT / "engine" / "models" / "probe-llama"
+PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
+
+
+@dataclass
+class RunRow:
+    """One model x one way of decoding."""
+
+    model: str
+    run: str  # "plain" (transformers generate), "dense" (engine, sensitivity 0), "pruned" (engine default)
+    tokens_per_s: float  # median over rounds
+    tokens_per_s_min: float
+    tokens_per_s_max: float
+    rounds: list[float]
+    bytes_per_token: int  # bytes one decode step reads (ledger), the same model's dense count for "plain"
+    fraction_of_bandwidth: float  # bytes_per_token x tokens/s / measured read bandwidth
+    speedup_vs_plain: float  # tokens/s over plain transformers' (medians)
+    decode_sparsity: float | None = None  # s: measured activation sparsity of the decode steps
+    pruneable_share: float | None = None  # f: share of a dense decode step's bytes in the layers run sparse
+    bound: float | None = None  # 1 / (1 - s f)
+    speedup_vs_dense: float | None = None
+    fraction_of_bound: float | None = None  # speedup_vs_dense / bound
+    decode_pruning_ratio: float | None = None
+    fallback: str | None = None  # why the default operating point ran dense, if it did
+
+
+@dataclass
+class SpeedResult:
+    machine: dict
+    bandwidth_gb_s: float  # best of the read-bandwidth samples (before and between runs): the fractions' ceiling
+    bandwidth_gb_s_median: float
+    bandwidth_reps: list[float]
+    settings: dict
+    models: dict[str, dict] = field(default_factory=dict)  # name -> facts (params, dtype, ...)
+    rows: list[RunRow] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- bandwidth ------------------------------------------------------------------------------------
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class BandwidthReader:
+    """A STREAM-like read of a float32 buffer far larger than the caches, allocated once and touched
+    before the first sample. Two read kernels, the best counts: torch's (vectorised, multi-threaded)
+    sum, and a matrix-vector product over the buffer viewed as a (rows, 4096) matrix, which reads each
+    element once with the access pattern (and the BLAS prefetching) of a decode step; at one thread
+    the product reads ~1.4x faster than the sum on the reference host."""
+
+    def __init__(self, mib: int = 1024, device: str = "cpu") -> None:
+        self.place = torch.device(device)
+        self.buffer = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=self.place)
+        self.matrix = self.buffer.view(-1, 4096)  # (rows, 4096)
+        self.vector = torch.ones(4096, dtype=torch.float32, device=self.place)
+        self.buffer.sum()  # pages touched, threads woken
+        torch.mv(self.matrix, self.vector)
+
+    def _timed(self, read: Callable[[], torch.Tensor]) -> float:
+        _synchronize(self.place)
+        started = time.perf_counter()
+        read()
+        _synchronize(self.place)
+        return self.buffer.numel() * 4 / (time.perf_counter() - started) / 1e9
+
+    def sample(self) -> float:
+        """GB/s of the faster of one summed read and one matrix-vector read of the whole buffer."""
+        return max(self._timed(self.buffer.sum), self._timed(lambda: torch.mv(self.matrix, self.vector)))
+
+
+def read_bandwidth(mib: int = 1024, reps: int = 5, device: str = "cpu") -> list[float]:
+    """GB/s of `reps` reads of a `mib` MiB buffer (see BandwidthReader)."""
+    reader = BandwidthReader(mib, device)
+    return [reader.sample() for _ in range(reps)]
+
+
+# -- plain transformers ---------------------------------------------------------------------------
+
+
+class _Stamps:
+    """A transformers streamer that only notes when each generated token arrived."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # generate() first puts the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def plain_decode_rate(model: torch.nn.Module, prompt_ids: Sequence[int], new_tokens: int) -> float:
+    """Decode tokens/s of transformers' own greedy `generate` (first token to last), fixed length."""
+    stamps = _Stamps()
+    ids = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)  # (1, T)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       streamer=stamps, pad_token_id=0)
+    return (len(stamps.times) - 1) / (stamps.times[-1] - stamps.times[0])
+
+
+# -- one model ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Subject:
+    name: str
+    engine: object  # PruningEngine, with activation sparsity installed
+    plain: torch.nn.Module  # the same weights in plain transformers, never wrapped
+    prompt_ids: list[int]
+    facts: dict
+
+
+def _load_real(model_dir: Path, calibration_dir: Path | None, device: str = "cpu") -> _Subject:
+    from transformers import AutoModelForCausalLM
+
+    from engine import EngineSettings, PruningEngine
+    from probes import load_probes
+
+    engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device=device, log_level="NONE",
+                                               calibration_dir=calibration_dir))
+    probe_set = load_probes()
+    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.loaded.dtype).to(engine.loaded.device).eval()
+    return _Subject(model_dir.name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, "real weights"))
+
+
+def _load_shape(shape, calibration_dir: Path, seed: int = 0, texts_per_domain: int = 2, device: str = "cpu") -> _Subject:
+    """The benchmark shape with random weights, served by the engine from a temporary folder (the probe
+    model's tokenizer; calibrated on a few probe texts per domain)."""
+    from transformers import AutoTokenizer
+
+    from bench.engine import build_speed_model
+    from engine import EngineSettings, PruningEngine
+    from engine.loading import LoadedModel
+    from probes import load_probes
+
+    place = torch.device(device)
+    dtype = torch.float32 if place.type == "cpu" else torch.bfloat16  # as engine.loading serves each device
+    model = build_speed_model(shape, seed).to(place, dtype)
+    plain = build_speed_model(shape, seed).to(place, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(PROBE_MODEL_DIR)
+    name = f"llama-{sum(p.numel() for p in plain.parameters()) / 1e9:.2f}B-random"
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, path=PROBE_MODEL_DIR,
+                         device=place, dtype=dtype, fingerprint=f"{name}-seed{seed}")
+    engine = PruningEngine(loaded, EngineSettings(model_dir=PROBE_MODEL_DIR, device=place.type, log_level="NONE",
+                                                  calibration_dir=calibration_dir))
+    probe_set = load_probes()
+    texts = {d: list(t)[:texts_per_domain] for d, t in probe_set.calibration_texts().items()}
+    engine.load_or_calibrate(texts, f"{probe_set.digest[:8]}-first{texts_per_domain}")
+    return _Subject(name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, f"random (seed {seed})"))
+
+
+def _facts(model: torch.nn.Module, weights: str) -> dict:
+    params = sum(p.numel() for p in model.parameters())
+    config = model.config
+    return {"params": params, "weights": weights, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+
+
+def measure(subject: _Subject, new_tokens: int, rounds: int,
+            bandwidth: Callable[[], float] | None = None) -> tuple[list[RunRow], list[float]]:
+    """Plain, dense and pruned decode of one model, `rounds` times each in rotating order; `bandwidth`
+    (one read-bandwidth sample) runs once per round among them, so the ceiling is measured under the
+    same load as the decodes on a shared host. Returns the rows and the bandwidth samples (GB/s)."""
+    from engine.execution import ExecutionPlan
+
+    engine = subject.engine
+    plan = engine.execution_plan(subject.prompt_ids, engine.settings.sensitivity, list(engine.settings.layer_blacklist),
+                                 prompt_text=PROMPT)
+    _, fallback = engine.plan(subject.prompt_ids, engine.settings.sensitivity, list(engine.settings.layer_blacklist),
+                              prompt_text=PROMPT)
+    runs = {
+        "plain": lambda: (plain_decode_rate(subject.plain, subject.prompt_ids, new_tokens), None),
+        "dense": lambda: _engine_run(engine, subject.prompt_ids, ExecutionPlan(), new_tokens),
+        "pruned": lambda: _engine_run(engine, subject.prompt_ids, plan, new_tokens),
+    }
+    for run in runs.values():  # warm-up: first-call allocations, thread pools, the kernel's caches
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    ledgers: dict[str, object] = {}
+    samples: list[float] = []
+    names = list(runs)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if bandwidth is not None and name == names[(r + 1) % len(names)]:
+                samples.append(bandwidth())  # between two runs, at a different place each round
+            rate, ledger = runs[name]()
+            rates[name].append(rate)
+            if ledger is not None:
+                ledgers[name] = ledger
+        logger.info("%s round %d: %s (load %.1f)", subject.name, r + 1,
+                    {k: round(v[-1], 2) for k, v in rates.items()}, os.getloadavg()[0])
+    steps = new_tokens - 1
+    dense_bytes = ledgers["dense"].decode_bytes_read // steps
+    pruned = ledgers["pruned"]
+    element = next(subject.plain.parameters()).element_size()
+    sparse_bytes = pruned.decode_sparse_dense_flops // 2 * element // steps  # rows = 1 per decode step
+    s = pruned.decode_activation_sparsity
+    f = sparse_bytes / dense_bytes if dense_bytes else 0.0
+    bound = 1.0 / (1.0 - s * f)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    rows = []
+    for name in names:
+        bytes_per_token = pruned.decode_bytes_read // steps if name == "pruned" else dense_bytes
+        row = RunRow(model=subject.name, run=name, tokens_per_s=round(medians[name], 3),
+                     tokens_per_s_min=round(min(rates[name]), 3), tokens_per_s_max=round(max(rates[name]), 3),
+                     rounds=[round(v, 3) for v in rates[name]], bytes_per_token=int(bytes_per_token),
+                     fraction_of_bandwidth=0.0, speedup_vs_plain=round(medians[name] / medians["plain"], 4))
+        if name == "pruned":
+            speedup = medians["pruned"] / medians["dense"]
+            row.decode_sparsity, row.pruneable_share, row.bound = round(s, 4), round(f, 4), round(bound, 4)
+            row.speedup_vs_dense = round(speedup, 4)
+            row.fraction_of_bound = round(speedup / bound, 4)
+            row.decode_pruning_ratio = round(pruned.decode_pruning_ratio, 6)
+            row.fallback = fallback
+        rows.append(row)
+    return rows, samples
+
+
+def _engine_run(engine, prompt_ids: list[int], plan, new_tokens: int):
+    measurement = engine.measure_decode(prompt_ids, plan, new_tokens)
+    return measurement.decode_tokens_per_s, measurement.ledger
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def _machine(device: str = "cpu") -> dict:
+    return {"device": device if device == "cpu" else torch.cuda.get_device_name(torch.device(device)),"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_average_at_start": round(os.getloadavg()[0], 2)}
+
+
+def format_table(result: dict) -> str:
+    head = (f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s (best of {len(result['bandwidth_reps'])}; "
+            f"median {result['bandwidth_gb_s_median']:.1f})\n")
+    columns = f"{'model':<28} {'run':<7} {'tok/s':>8} {'min-max':>13} {'MB/token':>9} {'of BW':>6} " \
+              f"{'vs plain':>8} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'of bound':>8}"
+    lines = [head + columns, "-" * len(columns)]
+    for row in result["rows"]:
+        def opt(key: str, fmt: str) -> str:
+            return format(row[key], fmt) if row.get(key) is not None else "-"
+        lines.append(
+            f"{row['model']:<28} {row['run']:<7} {row['tokens_per_s']:>8.2f} "
+            f"{row['tokens_per_s_min']:>6.1f}-{row['tokens_per_s_max']:<6.1f} {row['bytes_per_token'] / 1e6:>9.1f} "
+            f"{row['fraction_of_bandwidth']:>6.1%} {row['speedup_vs_plain']:>7.3f}x {opt('decode_sparsity', '.3f'):>6} "
+            f"{opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} {opt('speedup_vs_dense', '.3f'):>8} "
+            f"{opt('fraction_of_bound', '.3f'):>8}")
+    return "\n".join(lines)
+
+
+def write_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(row["model"] for row in result["rows"]))
+    runs = ["plain", "dense", "pruned"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.26
+    for i, run in enumerate(runs):
+        rows = [next(r for r in result["rows"] if r["model"] == m and r["run"] == run) for m in models]
+        x = [j + (i - 1) * width for j in range(len(models))]
+        left.bar(x, [r["tokens_per_s"] for r in rows], width, label=run,
+                 yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
+                       [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]], capsize=3)
+        right.bar(x, [100 * r["fraction_of_bandwidth"] for r in rows], width, label=run)
+    for axis, title in ((left, "decode tokens/s (median, min-max)"), (right, "% of measured read bandwidth")):
+        axis.set_xticks(range(len(models)), models, fontsize=8)
+        axis.set_title(title, fontsize=10)
+        axis.legend(fontsize=8)
+    right.axhline(100, color="grey", lw=0.8, ls="--")
+    fig.suptitle(f"decode speed, {result['machine']['processor']}, {result['machine']['torch_threads']} threads, "
+                 f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidth_mib: int, bandwidth_reps: int,
+        calibration_dir: Path | None, out: Path, plot: Path | None, device: str = "cpu") -> dict:
+    """The whole benchmark; returns the result written to `out`."""
+    reader = BandwidthReader(bandwidth_mib, device)
+    reps = [reader.sample() for _ in range(bandwidth_reps)]
+    result = SpeedResult(machine=_machine(device), bandwidth_gb_s=round(max(reps), 3),
+                         bandwidth_gb_s_median=round(statistics.median(reps), 3),
+                         bandwidth_reps=[round(v, 3) for v in reps],
+                         settings={"new_tokens": new_tokens, "rounds": rounds, "bandwidth_mib": bandwidth_mib,
+                                   "prompt": PROMPT, "timer": "first generated token to last, fixed length"})
+    logger.info("read bandwidth %.1f GB/s", result.bandwidth_gb_s)
+    subjects = []
+    with tempfile.TemporaryDirectory(prefix="prunewatch-speed-") as scratch:
+        if model_dir is not None:
+            subjects.append(lambda: _load_real(model_dir, calibration_dir, device))
+        if shape is not None:
+            subjects.append(lambda: _load_shape(shape, calibration_dir or Path(scratch), device=device))
+        for load in subjects:
+            subject = load()
+            result.models[subject.name] = subject.facts
+            rows, samples = measure(subject, new_tokens, rounds,
+                                    reader.sample)
+            result.rows.extend(rows)
+            reps.extend(samples)
+            del subject  # one model in memory at a time
+    result.bandwidth_reps = [round(v, 3) for v in reps]
+    result.bandwidth_gb_s = round(max(reps), 3)
+    result.bandwidth_gb_s_median = round(statistics.median(reps), 3)
+    for row in result.rows:
+        row.fraction_of_bandwidth = round(row.bytes_per_token * row.tokens_per_s / 1e9 / result.bandwidth_gb_s, 4)
+    data = result.as_dict()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    if plot is not None:
+        write_plot(data, plot)
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.engine import SpeedModelConfig
+
+    parser = argparse.ArgumentParser(prog="prunewatch bench speed", description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=REAL_MODEL_DIR,
+                        help="real model folder (default: SmolLM2-135M-Instruct in the prunewatch cache)")
+    parser.add_argument("--no-real", action="store_true", help="skip the real model")
+    parser.add_argument("--no-shape", action="store_true", help="skip the 0.67 B random-weight shape")
+    parser.add_argument("--shape", type=str, default=None,
+                        help="JSON of SpeedModelConfig fields overriding the 0.67 B shape (for small smoke runs)")
+    parser.add_argument("--tokens", type=int, default=48, help="generated tokens per run (decode steps + 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each kind, order rotating")
+    parser.add_argument("--bandwidth-mib", type=int, default=2048, help="read-bandwidth buffer (MiB)")
+    parser.add_argument("--bandwidth-reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--calibration-dir", type=Path, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/speed-DEVICE.json)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG (default bench/results/speed-DEVICE.png)")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if args.tokens < 3 or args.rounds < 1:
+        parser.error("--tokens must be >= 3 and --rounds >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = None if args.no_shape else SpeedModelConfig(**json.loads(args.shape or "{}"))
+    model_dir = None if args.no_real else args.model_dir
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        sys.stderr.write(f"error: no model at {model_dir}; download SmolLM2-135M-Instruct there or pass --no-real\n")
+        return 1
+    data = run(model_dir, shape, new_tokens=args.tokens, rounds=args.rounds, bandwidth_mib=args.bandwidth_mib,
+               bandwidth_reps=args.bandwidth_reps, calibration_dir=args.calibration_dir,
+               out=args.out or RESULTS / f"speed-{args.device}.json",
+               plot=None if args.no_plot else args.plot or RESULTS / f"speed-{args.device}.png", device=args.device)
+    sys.stdout.write(format_table(data) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""bench/speed.py end to end on the bundled probe model and a tiny random shape: structure and internal
+consistency of what it writes, never timings (the machine running the tests is shared and noisy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.engine import SpeedModelConfig
+from bench.speed import format_table, run
+
+TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=4096)
+
+
+@pytest.fixture(scope="module")
+def speed_result(tmp_path_factory, probe_model_dir, calibration_dir):
+    out = tmp_path_factory.mktemp("speed")
+    data = run(probe_model_dir, TINY, new_tokens=4, rounds=1, bandwidth_mib=16, bandwidth_reps=2,
+               calibration_dir=calibration_dir, out=out / "speed.json", plot=out / "speed.png")
+    return data, out
+
+
+def test_speed_bench_writes_every_model_and_run(speed_result):
+    data, out = speed_result
+    assert json.loads((out / "speed.json").read_text()) == data
+    assert (out / "speed.png").stat().st_size > 0
+    assert data["bandwidth_gb_s"] == max(data["bandwidth_reps"]) > 0
+    assert len(data["models"]) == 2
+    runs = {(row["model"], row["run"]) for row in data["rows"]}
+    assert runs == {(model, run) for model in data["models"] for run in ("plain", "dense", "pruned")}
+    table = format_table(data)
+    assert all(model in table for model in data["models"])
+
+
+def test_speed_bench_figures_are_consistent(speed_result):
+    data, _ = speed_result
+    for model in data["models"]:
+        rows = {row["run"]: row for row in data["rows"] if row["model"] == model}
+        plain, dense, pruned = rows["plain"], rows["dense"], rows["pruned"]
+        assert plain["speedup_vs_plain"] == 1.0
+        for row in rows.values():
+            assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+            assert len(row["rounds"]) == 1 and row["bytes_per_token"] > 0
+            assert row["fraction_of_bandwidth"] == pytest.approx(
+                row["bytes_per_token"] * row["tokens_per_s"] / 1e9 / data["bandwidth_gb_s"], rel=1e-2, abs=1e-4)
+        assert plain["bytes_per_token"] == dense["bytes_per_token"] >= pruned["bytes_per_token"]
+        # The default operating point ran sparse on the probe model's prompt: s and f measured, bound from them.
+        s, f = pruned["decode_sparsity"], pruned["pruneable_share"]
+        assert 0.0 <= s < 1.0 and 0.0 <= f <= 1.0
+        assert pruned["bound"] == pytest.approx(1.0 / (1.0 - s * f), abs=1e-3)
+        assert pruned["fraction_of_bound"] == pytest.approx(pruned["speedup_vs_dense"] / pruned["bound"], abs=1e-3)
+        if pruned["fallback"] is None and s > 0:
+            assert pruned["bytes_per_token"] < dense["bytes_per_token"]
