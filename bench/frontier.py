@@ -44,6 +44,7 @@ from bench.mechanisms import (
     Mechanisms,
     _aggregate,
     _engine,
+    finish_quality_figure,
 )
 from engine.quality import heldout_perplexity_delta
 from engine.sparse.calibration import SparsityCalibration, sparsity_calibration_path
@@ -274,19 +275,10 @@ def write_plot(result: dict, path: Path) -> None:
                               (r["decode_pruning_ratio"], r[key]), fontsize=7, xytext=(3, 3),
                               textcoords="offset points")
     agree.axhspan(*AGREEMENT_RANGE, color="grey", alpha=0.08, label="checked agreement range")
-    for axis in (agree, ppl):
-        axis.set_xlabel("decode pruning ratio (measured linear FLOPs of the decode steps)")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8, loc="best")
-    agree.set_ylabel("token agreement with the dense continuation")
-    ppl.set_ylabel("held-out perplexity delta, %")
-    ppl.set_yscale("symlog", linthresh=1.0)
     verdict = "met" if result["check"].get("met") else "not met"
-    fig.suptitle(f"{result['model']['name']}: pruning frontier ({len(result['probes'])} probes x "
-                 f"{result['max_new_tokens']} tokens); default vs TEAL-uniform check {verdict}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_quality_figure(fig, agree, ppl, path, "token agreement with the dense continuation",
+                          f"{result['model']['name']}: pruning frontier ({len(result['probes'])} probes x "
+                          f"{result['max_new_tokens']} tokens); default vs TEAL-uniform check {verdict}")
 
 
 def format_table(result: dict) -> str:

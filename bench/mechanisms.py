@@ -244,15 +244,23 @@ def write_plot(result: dict, path: Path) -> None:
     agree.axhline(target["agreement"], color="grey", ls="--", lw=1, label=f"agreement floor {target['agreement']}")
     ppl.axhline(target["perplexity_delta_pct"], color="grey", ls="--", lw=1,
                 label=f"perplexity +{target['perplexity_delta_pct']}%")
+    finish_quality_figure(fig, agree, ppl, path, "token agreement with the dense model",
+                          f"{result['model']['name']}: mechanisms at sensitivity {result['sensitivity']} "
+                          f"({len(result['probes'])} probes, {result['max_new_tokens']} tokens each)")
+
+
+def finish_quality_figure(fig, agree, ppl, path: Path, agreement_label: str, title: str) -> None:
+    """Axes of a ratio-vs-quality figure (agreement left, held-out perplexity right), titled and saved."""
+    import matplotlib.pyplot as plt
+
     for axis in (agree, ppl):
         axis.set_xlabel("decode pruning ratio (measured, linear FLOPs of the decode steps)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8, loc="best")
-    agree.set_ylabel("token agreement with the dense model")
+    agree.set_ylabel(agreement_label)
     ppl.set_ylabel("held-out perplexity delta, %")
     ppl.set_yscale("symlog", linthresh=1.0)
-    fig.suptitle(f"{result['model']['name']}: mechanisms at sensitivity {result['sensitivity']} "
-                 f"({len(result['probes'])} probes, {result['max_new_tokens']} tokens each)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
