@@ -338,7 +338,8 @@ def alert_thresholds(points: Sequence[SweepPoint], recommended: float, settings:
     if "ratio_low" not in out.evidence and out.quality_red_line is not None:
         out.ratio_low = round(out.quality_red_line * settings.ratio_floor_share, 4)  # the rules need low < red line
         out.evidence["ratio_low"] = (f"no pruning measured at the recommended sensitivity {recommended:g}: "
-                                     f"{settings.ratio_floor_share:g} x the measured red line, so the rules stay ordered")
+                                     f"{settings.ratio_floor_share:g} x the measured red line, so the rules stay "
+                                     "ordered")
     if "ratio_low" not in out.evidence:
         out.evidence["ratio_low"] = "no pruning at the recommended sensitivity: no ratio floor measured"
     return out

@@ -12,8 +12,8 @@ from engine.stats import RequestStats
 from probes import Probe
 from records.results import ProbeResult
 
-_STATS_FIELDS = tuple(sorted(
-    ({f.name for f in fields(ProbeResult)} & {f.name for f in fields(RequestStats)}) - {"domain", "quality_ms", "device"}))
+_STATS_FIELDS = tuple(sorted(({f.name for f in fields(ProbeResult)} & {f.name for f in fields(RequestStats)})
+                             - {"domain", "quality_ms", "device"}))
 """RequestStats fields a ProbeResult keeps under the same name (domain, quality_ms and device differ)."""
 
 

@@ -185,7 +185,8 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
         # Dense baselines run on the same engines (every round here): the pruned-vs-dense panel's two
         # series exist for each target, each from its own runs, and the client timed every stream.
         def pruned_and_dense() -> dict | None:
-            found = {name: {s["metric"]["target"] for s in _promql(prometheus, f"{name}_count")}
+            collector = f'{{job="{COLLECTOR_JOB}"}}'
+            found = {name: {s["metric"].get("target") for s in _promql(prometheus, f"{name}_count{collector}")}
                      for name in ("prunewatch_inference_latency_seconds", "prunewatch_dense_inference_latency_seconds",
                                   "prunewatch_client_time_to_first_token_seconds")}
             return found if all(targets == set(ENGINES) for targets in found.values()) else None
