@@ -90,8 +90,8 @@ def _sweep(curve: str, levels: tuple[float, ...], **fields) -> tuple[FrontierPoi
 DENSE_POINT = FrontierPoint(name=DENSE.name, curve="dense", sensitivity=0.0)
 
 
-def grid(levels: tuple[float, ...] = (0.1, 0.15, 0.2, 0.3, 0.4),
-         greedy_levels: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5),
+def grid(levels: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4),
+         greedy_levels: tuple[float, ...] = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
          wina_levels: tuple[float, ...] = (0.3,)) -> tuple[FrontierPoint, ...]:
     """Every point of a frontier run; dense first."""
     return (
@@ -303,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--probes", type=int, default=None, help="first N probes only (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--levels", type=_levels, default=(0.1, 0.15, 0.2, 0.3, 0.4),
+    parser.add_argument("--levels", type=_levels, default=(0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4),
                         help="TEAL-uniform targets, comma-separated")
-    parser.add_argument("--greedy-levels", type=_levels, default=(0.2, 0.3, 0.4, 0.5),
+    parser.add_argument("--greedy-levels", type=_levels, default=(0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
                         help="greedy-plan targets, comma-separated")
     parser.add_argument("--wina-levels", type=_levels, default=(0.3,), help="WINA-uniform targets")
     parser.add_argument("--calibration-dir", type=Path, default=None)
