@@ -45,6 +45,7 @@ from bench.mechanisms import (
     _aggregate,
     _engine,
     finish_quality_figure,
+    interleaved,
 )
 from engine.quality import heldout_perplexity_delta
 from engine.sparse.calibration import SparsityCalibration, sparsity_calibration_path
@@ -177,14 +178,12 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
 
     collected: dict[str, list] = {p.name: [] for p in points}
     with tqdm(total=len(chosen) * len(points), desc="frontier", unit="request", file=sys.stderr) as bar:
-        for index, probe in enumerate(chosen):
-            shift = index % len(points)
-            for point in points[shift:] + points[:shift]:  # rotate the order per probe
-                engine = configure(point)
-                result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
-                                         quality=True)
-                collected[point.name].append(result.stats)
-                bar.update(1)
+        for probe, point in interleaved(chosen, points):
+            engine = configure(point)
+            result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
+                                     quality=True)
+            collected[point.name].append(result.stats)
+            bar.update(1)
     held: dict[str, float] = {}
     for point in tqdm(points, desc="held-out perplexity", unit="point", file=sys.stderr):
         held[point.name] = heldout_perplexity_delta(configure(point), heldout_texts()) if heldout else float("nan")

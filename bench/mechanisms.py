@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,6 +42,15 @@ class Mechanisms(BaseModel):
     influence_budget: float = Field(0.0, ge=0.0, le=1.0)
     head_budget: float = Field(0.0, ge=0.0, le=1.0)
     activation_sparsity: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+def interleaved(probes: Sequence, variants: Sequence) -> Iterator[tuple]:
+    """(probe, variant) pairs, every variant once per probe, the order rotated by one per probe: drift in the
+    machine's speed spreads over every variant instead of tilting the last ones."""
+    for index, probe in enumerate(probes):
+        shift = index % len(variants)
+        for variant in list(variants[shift:]) + list(variants[:shift]):
+            yield probe, variant
 
 
 def engine_defaults() -> Mechanisms:
@@ -171,14 +181,12 @@ def run(grid: tuple[Mechanisms, ...], out: Path, plot: Path | None, *, model_dir
     collected: dict[str, list] = {c.name: [] for c in grid}
     base = engine.settings
     with tqdm(total=len(chosen) * len(grid), desc="mechanisms", unit="request", file=sys.stderr) as bar:
-        for index, probe in enumerate(chosen):
-            shift = index % len(grid)
-            for config in grid[shift:] + grid[:shift]:  # rotate the order per probe
-                engine.settings = _configured(base, config, sensitivity)
-                result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
-                                         quality=True)
-                collected[config.name].append(result.stats)
-                bar.update(1)
+        for probe, config in interleaved(chosen, grid):
+            engine.settings = _configured(base, config, sensitivity)
+            result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
+                                     quality=True)
+            collected[config.name].append(result.stats)
+            bar.update(1)
     heldout: dict[str, float] = {}
     for config in tqdm(grid, desc="held-out perplexity", unit="configuration", file=sys.stderr):
         engine.settings = _configured(base, config, sensitivity)

@@ -107,11 +107,6 @@ class ProbeScheduler:
     def start(self) -> None:
         self._scheduler.start()
 
-    def wait(self, poll_s: float = 0.2) -> None:
-        """Block until the requested rounds are done (or forever); Ctrl-C propagates to the caller."""
-        while not self.done.wait(poll_s):
-            pass
-
     def shutdown(self) -> None:
         """Stop scheduling, let the running probe finish and be recorded, then return."""
         self.stop_event.set()

@@ -231,18 +231,10 @@ def current_execution() -> tuple[ExecutionPlan, ExecutionLedger] | None:
     """The plan and ledger of the forward pass running in this context, if any.
 
     For modules that wrap a linear layer and compute it themselves (engine.sparse): they read the
-    plan to decide, and must count what they executed with `record_linear_work`.
+    plan to decide, and take what they did not execute off the block's count with `record_skipped_work`.
     """
     active = _ACTIVE.get()
     return None if active is None else (active.plan, active.ledger)
-
-
-def record_linear_work(executed_flops: int, weight_bytes: int) -> None:
-    """Count linear work done outside any decoder block (whose own count covers the work inside it)."""
-    active = _ACTIVE.get()
-    if active is not None:
-        active.ledger.executed_flops += int(executed_flops)
-        active.ledger.weight_bytes_read += int(weight_bytes)
 
 
 def record_skipped_work(skipped_flops: int, skipped_bytes: int, ledger: ExecutionLedger | None = None) -> None:
