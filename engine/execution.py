@@ -62,6 +62,10 @@ class ExecutionPlan:
     # target: small models tolerate very different sparsity on attention-output and MLP inputs.
     # Missing families keep factor 1; the product is capped at MAX_SPARSITY.
     family_scale: tuple[tuple[str, float], ...] = ()
+    # Output head (engine.sparse.output_head): share of its input entries zeroed per token row for the
+    # approximate logits, and how many of the highest are then computed exactly. 0 runs the head dense.
+    output_head_sparsity: float = 0.0
+    output_head_candidates: int = 1024
 
     def __post_init__(self) -> None:
         targets = (self.activation_sparsity, *self.layer_sparsity)
@@ -71,12 +75,16 @@ class ExecutionPlan:
             raise InvalidRequestError(f"family sparsity factors must be in [0, 4], got {self.family_scale}")
         if self.sparsity_policy not in ("row", "shared"):
             raise InvalidRequestError(f"sparsity_policy must be 'row' or 'shared', got {self.sparsity_policy!r}")
+        if not 0.0 <= float(self.output_head_sparsity) < 1.0:
+            raise InvalidRequestError(f"output head sparsity must be in [0, 1), got {self.output_head_sparsity}")
+        if int(self.output_head_candidates) < 1:
+            raise InvalidRequestError(f"output head candidates must be >= 1, got {self.output_head_candidates}")
 
     @property
     def skips_work(self) -> bool:
         """Whether this plan can differ from the dense model (a bypass, or any sparsity target)."""
         return (bool(self.bypass) or self.activation_sparsity > 0 or any(t > 0 for t in self.layer_sparsity)
-                or self.heads_gated > 0)
+                or self.heads_gated > 0 or self.output_head_sparsity > 0)
 
     def heads_gated_in(self, layer: int) -> frozenset[int]:
         """Query heads of one decoder block this plan does not compute."""
@@ -255,7 +263,11 @@ def record_skipped_work(skipped_flops: int, skipped_bytes: int, ledger: Executio
 
 
 def _linear_flops_per_row(module: nn.Module) -> int | None:
-    """2 x in x out for nn.Linear and GPT-2's Conv1D (weight stored transposed); None otherwise."""
+    """2 x in x out for nn.Linear and GPT-2's Conv1D (weight stored transposed), also when wrapped by a
+    module that computes it itself (engine.sparse: `.linear`); None otherwise."""
+    inner = getattr(module, "linear", None)
+    if not isinstance(module, nn.Linear) and isinstance(inner, nn.Module):
+        module = inner
     if isinstance(module, nn.Linear):
         return 2 * module.in_features * module.out_features
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:

@@ -28,7 +28,7 @@ from engine.loading import LoadedModel, load_model
 from engine.planner import BypassPlan, plan_bypass, validate_request
 from engine.quality import score_against_dense
 from engine.signals import memory_pressure
-from engine.settings import EngineSettings, LogLevel
+from engine.settings import EngineSettings, LogLevel, output_head_target
 from engine.stats import GenerationResult, RequestStats
 
 logger = logging.getLogger("prunewatch.engine")
@@ -74,6 +74,7 @@ class PruningEngine:
                            type(loaded.model).__name__)
         self._calibration: Calibration | None = None
         self._sparsity = None  # engine.sparse.SparsityInstallation once thresholds are calibrated
+        self._output_head = None  # engine.sparse.output_head.ShortlistHead once enabled
         if calibration is not None:
             self.use_calibration(calibration)
         self.dram_profile = self._load_dram_profile(settings.dram_profile)
@@ -151,7 +152,18 @@ class PruningEngine:
             calibration.save(path)
         if self.settings.activation_sparsity > 0.0:
             self.enable_activation_sparsity(texts_by_domain, corpus_digest)
+        if self.settings.output_head_sparsity > 0.0:
+            self.enable_output_head()
         return calibration, cached
+
+    def enable_output_head(self) -> None:
+        """Put the shortlist output head in place (engine.sparse.output_head): it runs dense until a
+        request's plan asks for output-head sparsity. Raises SparseKernelUnavailableError where the
+        device has no kernel, as activation sparsity does."""
+        from engine.sparse.output_head import install_shortlist_head
+
+        if self._output_head is None:
+            self._output_head = install_shortlist_head(self.loaded.model)
 
     def enable_activation_sparsity(self, texts_by_domain: Mapping[str, Sequence[str]], corpus_digest: str) -> None:
         """Calibrate per-layer input thresholds (cached beside the block calibration) and install the
@@ -447,12 +459,18 @@ class PruningEngine:
     def _with_sparsity(self, bypass_plan: BypassPlan, blacklist: list[int]) -> ExecutionPlan:
         """Add the request's activation-sparsity target (sensitivity-scaled) to its bypass plan;
         blacklisted and transition layers keep dense inputs."""
-        target = self.settings.activation_sparsity * bypass_plan.signals.effective_sensitivity
+        effective = bypass_plan.signals.effective_sensitivity
+        plan = bypass_plan.plan
+        head_target = output_head_target(self.settings.output_head_sparsity, effective)
+        if self._output_head is not None and head_target > 0.0:
+            plan = replace(plan, output_head_sparsity=round(head_target, 4),
+                           output_head_candidates=self.settings.output_head_candidates)
+        target = self.settings.activation_sparsity * effective
         if self._sparsity is None or target <= 0.0:
-            return bypass_plan.plan
+            return plan
         keep_dense = set(blacklist) | set(bypass_plan.signals.transition_layers)
         per_layer = tuple(0.0 if i in keep_dense else round(target, 4) for i in range(self.num_layers))
-        return replace(bypass_plan.plan, layer_sparsity=per_layer,
+        return replace(plan, layer_sparsity=per_layer,
                        family_scale=tuple(sorted(self.settings.sparsity_family_scale.items())))
 
     def _quality_flags(self, ratio: float, report) -> list[str]:

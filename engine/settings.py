@@ -17,6 +17,20 @@ DEFAULT_ACTIVATION_SPARSITY = 0.6
 the greedy plan: on SmolLM2-135M-Instruct decode ratio 0.131 at token agreement 0.969, where TEAL's
 uniform thresholds at the same ratio measured 0.901 (bench/results/frontier-SmolLM2-135M-Instruct.json)."""
 
+DEFAULT_OUTPUT_HEAD_SPARSITY = 0.7
+"""Output-head input sparsity (engine/sparse/output_head.py) with a 1024-logit exact shortlist: on
+SmolLM2-135M-Instruct held-out text it kept the dense argmax on every token at 0.7 (perplexity +0.3%) and
+skips ~0.14 of the decode work there, where the head is a fifth of it."""
+OUTPUT_HEAD_FULL_AT = 0.5
+"""Effective sensitivity at which the output head reaches its target; below it the target scales down
+linearly to 0 at sensitivity 0. The exact shortlist keeps the argmax, so the head's target does not need
+the whole sensitivity range to grade it, while lowering sensitivity (the governor's lever) still backs it off."""
+
+
+def output_head_target(setting: float, effective_sensitivity: float) -> float:
+    """The output head's input sparsity for a request: `setting` from OUTPUT_HEAD_FULL_AT up, linear below."""
+    return float(setting) * min(1.0, max(0.0, float(effective_sensitivity)) / OUTPUT_HEAD_FULL_AT)
+
 
 class LogLevel(str, Enum):
     """How much the engine logs about each request's pruning decisions."""
@@ -81,6 +95,18 @@ class EngineSettings(BaseSettings):
             "agreement >= 0.95 (0.969) and held-out perplexity within +2% (+0.02%) on SmolLM2-135M-Instruct at "
             "decode ratio 0.131 (bench/results/frontier-SmolLM2-135M-Instruct.json)."
         ),
+    )
+    output_head_sparsity: float = Field(
+        DEFAULT_OUTPUT_HEAD_SPARSITY, ge=0.0, le=0.9,
+        description=(
+            "Input sparsity of the output head (LM head) from effective sensitivity 0.5 up (linear below): "
+            "approximate logits from the largest entries of its input, then exact logits for the "
+            "output_head_candidates highest. 0 runs the head dense. The default kept the dense argmax on every "
+            "held-out token of SmolLM2-135M-Instruct (perplexity +0.3%)."),
+    )
+    output_head_candidates: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="How many of the highest approximate logits the output head recomputes exactly per token.",
     )
     sparsity_family_scale: dict[str, float] = Field(
         default_factory=dict,

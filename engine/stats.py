@@ -15,9 +15,9 @@ RATIO_UNIT = "linear_flops"
 
 Attention-score products (QK^T, AV) are excluded from numerator and denominator alike, so the
 ratio slightly understates what a bypassed layer saves. The output head (LM head) is counted on
-both sides: it always runs, so it is in the dense work and in the executed work alike (on a small
-model with a large vocabulary it caps the ratio well below 1). A ratio below 0 is reported as
-measured, never clamped: it would mean work was counted twice."""
+both sides: dense, or under an output-head target (engine.sparse.output_head) the weight rows of
+its kept inputs plus its exact shortlist. A ratio below 0 is reported as measured, never clamped:
+it would mean work was counted twice."""
 
 
 @dataclass(frozen=True)

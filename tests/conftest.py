@@ -27,7 +27,8 @@ def calibration_dir(tmp_path_factory) -> Path:
 
 # The engine's defaults keep quality on a real model and leave layer bypass and head gating off; the
 # plumbing tests on the probe model exercise those mechanisms, so they switch them on explicitly.
-PROBE_MECHANISMS = {"influence_budget": 0.5, "head_gating": True, "head_budget": 0.05, "activation_sparsity": 0.0}
+PROBE_MECHANISMS = {"influence_budget": 0.5, "head_gating": True, "head_budget": 0.05, "activation_sparsity": 0.0,
+                    "output_head_sparsity": 0.0}
 
 
 @pytest.fixture(scope="session")

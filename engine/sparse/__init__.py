@@ -14,6 +14,7 @@ from engine.sparse.kernel import (
     sparse_linear,
 )
 from engine.sparse.module import SparseLinear, SparsityOptions
+from engine.sparse.output_head import ShortlistHead, install_shortlist_head
 from engine.sparse.targets import DEFAULT_PROJECTIONS, find_sparse_targets, layer_key
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "KernelOutput",
     "LayerThresholds",
     "SparseKernelUnavailableError",
+    "ShortlistHead",
     "SparseLinear",
     "SparsityCalibration",
     "SparsityInstallation",
@@ -28,6 +30,7 @@ __all__ = [
     "calibrate_sparsity",
     "calibrate_sparsity_on_texts",
     "find_sparse_targets",
+    "install_shortlist_head",
     "install_sparsity",
     "layer_key",
     "sparse_linear",

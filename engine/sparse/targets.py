@@ -4,7 +4,8 @@ Targets are found by name inside each decoder block: the attention and MLP proje
 Llama family (q/k/v/o, gate/up/down, also Qwen2, Mistral, Gemma, StableLM), Phi-3's fused qkv_proj
 and gate_up_proj, GPT-2's Conv1D c_attn / c_proj / c_fc, GPT-NeoX's and Falcon's query_key_value /
 dense / dense_h_to_4h / dense_4h_to_h, and OPT's q/k/v / out_proj / fc1 / fc2. Every default name
-maps to one projection family (`projection_family`). The output head is never a target.
+maps to one projection family (`projection_family`). The output head is never a target: it has its
+own wrapper (engine.sparse.output_head).
 """
 
 from __future__ import annotations

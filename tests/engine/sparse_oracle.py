@@ -36,7 +36,7 @@ def hook_count(instrumented) -> Iterator[dict[str, int]]:
     """An independent count of one model's work: a forward hook on every linear layer that runs (the way
     the engine used to count, at a Python hook per linear per token), a pre-hook on each sparse kernel
     call (the union of its rows' active channels, recomputed here) and on each head-gated projection
-    (its kept slices). Yields {"executed": ..., "dense": ...} filled while the context is open.
+    (its kept slices) and on the shortlist output head (its kept inputs and shortlist). Yields {"executed": ..., "dense": ...} filled while the context is open.
 
     Dense work: every linear inside each decoder block the plan entered, plus the head, from weight
     shapes. Nothing is read from the engine's ledger.
@@ -44,6 +44,7 @@ def hook_count(instrumented) -> Iterator[dict[str, int]]:
     from engine.execution import current_execution
     from engine.heads import HeadGatedProjection
     from engine.sparse import SparseLinear
+    from engine.sparse.output_head import ShortlistHead
 
     count = {"executed": 0, "dense": 0}
     handles = []
@@ -84,10 +85,25 @@ def hook_count(instrumented) -> Iterator[dict[str, int]]:
                 count["dense"] += block_work * rows_of(hidden)
         return hook
 
-    def on_head(module, args, output) -> None:
+    def on_head(module, args, output) -> None:  # the plain head ran: dense work
+        if current_execution() is None:
+            return
         work = _linear_work(module) * rows_of(args[0])
         count["executed"] += work
         count["dense"] += work
+
+    def on_shortlist(module, args) -> None:
+        """The shortlist head: with an output-head target it never calls its inner layer (no on_head)."""
+        plan = current_execution()[0] if current_execution() is not None else None
+        if plan is None or plan.output_head_sparsity <= 0.0:
+            return
+        rows = rows_of(args[0])
+        n_in, vocab = module.linear.in_features, module.linear.out_features
+        keep = max(1, round((1.0 - plan.output_head_sparsity) * n_in))
+        approximate = 2 * vocab * keep if rows <= module.max_kernel_rows else 2 * vocab * n_in
+        shortlist = min(plan.output_head_candidates, vocab)
+        count["executed"] += (approximate + 2 * shortlist * n_in) * rows
+        count["dense"] += 2 * vocab * n_in * rows
 
     for wrapper in instrumented.blocks:
         block_work = 0
@@ -101,7 +117,11 @@ def hook_count(instrumented) -> Iterator[dict[str, int]]:
             elif isinstance(module, HeadGatedProjection):
                 handles.append(module.register_forward_pre_hook(on_gated))
         handles.append(wrapper.register_forward_pre_hook(on_block(block_work), with_kwargs=True))
-    handles.append(instrumented.model.get_output_embeddings().register_forward_hook(on_head))
+    head = instrumented.model.get_output_embeddings()
+    if isinstance(head, ShortlistHead):
+        handles.append(head.register_forward_pre_hook(on_shortlist))
+        head = head.linear
+    handles.append(head.register_forward_hook(on_head))
     try:
         yield count
     finally:

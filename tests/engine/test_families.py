@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -344,7 +344,9 @@ def test_family_ratio_agrees_with_an_independent_hook_count(family, family_runs)
     fact to the FLOP."""
     run = family_runs(family)
     engine, prompt = run.engine, run.ids[0].tolist()
-    for plan in (ExecutionPlan(), ExecutionPlan(activation_sparsity=0.5), COMBINED):
+    plans = (ExecutionPlan(), ExecutionPlan(activation_sparsity=0.5), COMBINED,
+             replace(COMBINED, output_head_sparsity=0.6, output_head_candidates=16))
+    for plan in plans:
         ledger = ExecutionLedger()
         with hook_count(engine.instrumented) as count:
             tokens = list(engine._decode(prompt, plan, ledger, STEPS, use_cache=True))
