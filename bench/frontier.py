@@ -14,6 +14,10 @@ Curves (each a sweep of the activation-sparsity target at sensitivity 1 unless n
   never on the continuations or held-out text scored here);
 - bypass, heads: layer bypass and head gating budgets alone;
 - combination: the greedy plan with a small head budget;
+- output head: the output head's default input sparsity and exact shortlist alone
+  (engine/sparse/output_head.py);
+- greedy + output head: the greedy plan with that output head, the engine default's mechanism at
+  other targets;
 - engine default: EngineSettings' defaults, nothing configured.
 Each allocation/score pair has its own engine (the thresholds are fixed when the kernel is installed);
 they share the interleaved loop, so machine load hits every point alike.
@@ -48,12 +52,14 @@ from bench.mechanisms import (
     interleaved,
 )
 from engine.quality import heldout_perplexity_delta
+from engine.settings import OUTPUT_HEAD_FULL_AT
 from engine.sparse.calibration import SparsityCalibration, sparsity_calibration_path
 from probes import heldout_texts
 
 AGREEMENT_RANGE = (0.90, 0.99)
 DOUBLE_FROM = 0.95  # at agreement >= this, the default's ratio must be >= 2x TEAL-uniform's
 SWEEP_SENSITIVITY = 1.0
+HEAD_CURVE = "greedy + output head"
 
 
 class FrontierPoint(Mechanisms):
@@ -79,6 +85,7 @@ def default_point() -> FrontierPoint:
         influence_budget=fields["influence_budget"].default,
         head_budget=fields["head_budget"].default if fields["head_gating"].default else 0.0,
         activation_sparsity=fields["activation_sparsity"].default,
+        output_head_sparsity=fields["output_head_sparsity"].default,
         allocation=fields["sparsity_allocation"].default, score=fields["sparsity_score"].default,
         sensitivity=fields["sensitivity"].default)
 
@@ -93,14 +100,19 @@ DENSE_POINT = FrontierPoint(name=DENSE.name, curve="dense", sensitivity=0.0)
 
 def grid(levels: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4),
          greedy_levels: tuple[float, ...] = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
-         wina_levels: tuple[float, ...] = (0.3,)) -> tuple[FrontierPoint, ...]:
-    """Every point of a frontier run; dense first."""
+         wina_levels: tuple[float, ...] = (0.3,),
+         head_levels: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)) -> tuple[FrontierPoint, ...]:
+    """Every point of a frontier run; dense first. `head_levels`: greedy targets run with the output head."""
+    head = default_point().output_head_sparsity
     return (
         DENSE_POINT,
         default_point(),
         *_sweep("teal-uniform", levels),
         *_sweep("wina-uniform", wina_levels, score="wina"),
         *_sweep("greedy", greedy_levels, allocation="greedy"),
+        FrontierPoint(name=f"output head {head:g}", curve="output head", allocation="greedy",
+                      output_head_sparsity=head),
+        *_sweep(HEAD_CURVE, head_levels, allocation="greedy", output_head_sparsity=head),
         FrontierPoint(name="bypass 0.05", curve="bypass", influence_budget=0.05),
         FrontierPoint(name="heads 0.02", curve="heads", head_budget=0.02),
         FrontierPoint(name="greedy 0.3 + heads 0.02", curve="combination", allocation="greedy",
@@ -115,15 +127,17 @@ def ratio_at(points: list[dict], agreement: float) -> float:
 
 def check(rows: list[dict]) -> dict:
     """Whether the engine default's curve dominates TEAL-uniform over AGREEMENT_RANGE (and doubles it
-    from DOUBLE_FROM); the default's curve is its own point plus every sweep point with its allocation
-    and score and no other mechanism."""
+    from DOUBLE_FROM); the default's curve is its own point plus every sweep point with its allocation,
+    score and output-head target and no other mechanism."""
     default = next((r for r in rows if r["curve"] == "engine default"), None)
     if default is None:
         return {"met": False, "reason": "no engine default point"}
     teal = [r for r in rows if r["curve"] == "teal-uniform"]
     ours = [r for r in rows if r["curve"] == "engine default" or (
         r["allocation"] == default["allocation"] and r["score"] == default["score"] and r["curve"] != "dense"
-        and r["influence_budget"] == 0.0 and r["head_budget"] == 0.0 and r["activation_sparsity_budget"] > 0)]
+        and r.get("output_head_sparsity_budget", 0.0) == default.get("output_head_sparsity_budget", 0.0)
+        and r["influence_budget"] == 0.0 and r["head_budget"] == 0.0
+        and (r["activation_sparsity_budget"] > 0 or r.get("output_head_sparsity_budget", 0.0) > 0))]
     steps = round((AGREEMENT_RANGE[1] - AGREEMENT_RANGE[0]) / 0.005)
     table = []
     for i in range(steps + 1):
@@ -172,7 +186,7 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
         engine = engines[point.variant]
         engine.settings = bases[point.variant].model_copy(update={
             "influence_budget": point.influence_budget, "head_budget": point.head_budget,
-            "activation_sparsity": point.activation_sparsity,
+            "activation_sparsity": point.activation_sparsity, "output_head_sparsity": point.output_head_sparsity,
             "sensitivity": 0.0 if point == DENSE_POINT else point.sensitivity})
         return engine
 
@@ -208,13 +222,16 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
         "probes": [p.id for p in chosen],
         "torch_threads": torch.get_num_threads(),
         "method": {
-            "decode_pruning_ratio": "measured: 1 - executed / dense linear FLOPs of the decode steps (LM head included, "
-                                    "never pruned)",
+            "decode_pruning_ratio": "measured: 1 - executed / dense linear FLOPs of the decode steps (LM head included; "
+                                    "it skips work only at points with an output-head target)",
             "agreement": "measured: teacher-forced argmax match on the probe's dense continuation",
             "heldout_perplexity_delta_pct": "measured: teacher-forced NLL of probes/heldout.txt, pruned vs dense",
             "speedup": "measured: median decode tokens/s over the dense point's, same run, interleaved",
             "activation_sparsity_budget": "target at sensitivity 1; each request scales it by its effective "
                                           "sensitivity (prompt signals)",
+            "output_head_sparsity_budget": f"configured output-head input sparsity (reached from effective "
+                                           f"sensitivity {OUTPUT_HEAD_FULL_AT:g}), exact logits for the "
+                                           f"{some.settings.output_head_candidates} highest approximate ones",
         },
         "rows": rows,
         "greedy_plan": plan,
@@ -250,7 +267,8 @@ def _plan_summary(engine, corpus_digest: str) -> dict:
 
 CURVE_STYLE = {"teal-uniform": ("tab:green", "o-"), "wina-uniform": ("tab:olive", "s--"),
                "greedy": ("tab:red", "o-"), "bypass": ("tab:blue", "^"), "heads": ("tab:orange", "v"),
-               "combination": ("tab:purple", "D"), "engine default": ("black", "*"), "dense": ("grey", "x")}
+               "combination": ("tab:purple", "D"), "output head": ("tab:brown", "P"), HEAD_CURVE: ("black", "o-"), "engine default": ("black", "*"),
+               "dense": ("grey", "x")}
 
 
 def write_plot(result: dict, path: Path) -> None:
@@ -270,7 +288,8 @@ def write_plot(result: dict, path: Path) -> None:
                       label=curve, ms=12 if curve == "engine default" else 6)
             for r in rows:
                 axis.annotate(f"{r['activation_sparsity_budget']:g}" if curve in ("teal-uniform", "greedy",
-                                                                                   "wina-uniform") else r["name"],
+                                                                                   "wina-uniform", HEAD_CURVE)
+                              else r["name"],
                               (r["decode_pruning_ratio"], r[key]), fontsize=7, xytext=(3, 3),
                               textcoords="offset points")
     agree.axhspan(*AGREEMENT_RANGE, color="grey", alpha=0.08, label="checked agreement range")
@@ -307,12 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy-levels", type=_levels, default=(0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
                         help="greedy-plan targets, comma-separated")
     parser.add_argument("--wina-levels", type=_levels, default=(0.3,), help="WINA-uniform targets")
+    parser.add_argument("--head-levels", type=_levels, default=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
+                        help="greedy-plan targets run with the default output head, comma-separated")
     parser.add_argument("--calibration-dir", type=Path, default=None)
     parser.add_argument("--no-heldout", action="store_true", help="skip held-out perplexity (reported as NaN)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = args.out or RESULTS / f"frontier-{args.model.resolve().name}.json"
-    result = run(grid(args.levels, args.greedy_levels, args.wina_levels), out,
+    result = run(grid(args.levels, args.greedy_levels, args.wina_levels, args.head_levels), out,
                  None if args.no_plot else out.with_suffix(".png"), model_dir=args.model,
                  calibration_dir=args.calibration_dir, max_new_tokens=args.max_new_tokens, probes=args.probes,
                  heldout=not args.no_heldout)

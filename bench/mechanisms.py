@@ -42,6 +42,7 @@ class Mechanisms(BaseModel):
     influence_budget: float = Field(0.0, ge=0.0, le=1.0)
     head_budget: float = Field(0.0, ge=0.0, le=1.0)
     activation_sparsity: float = Field(0.0, ge=0.0, lt=1.0)
+    output_head_sparsity: float = Field(0.0, ge=0.0, le=0.9)  # engine.sparse.output_head; 0: dense head
 
 
 def interleaved(probes: Sequence, variants: Sequence) -> Iterator[tuple]:
@@ -60,7 +61,8 @@ def engine_defaults() -> Mechanisms:
     fields = EngineSettings.model_fields
     return Mechanisms(name="engine defaults", influence_budget=fields["influence_budget"].default,
                       head_budget=fields["head_budget"].default if fields["head_gating"].default else 0.0,
-                      activation_sparsity=fields["activation_sparsity"].default)
+                      activation_sparsity=fields["activation_sparsity"].default,
+                      output_head_sparsity=fields["output_head_sparsity"].default)
 
 
 DENSE = Mechanisms(name="dense")
@@ -111,6 +113,7 @@ class MechanismRow:
     speedup: float  # decode tokens/s over the dense configuration's, same run
     meets_quality: bool  # agreement >= 0.95 and held-out perplexity +<= 2%
     requests: int
+    output_head_sparsity_budget: float = 0.0  # configured output-head target (engine.sparse.output_head)
 
 
 def _engine(model_dir: Path, calibration_dir: Path, sensitivity: float, **settings):
@@ -125,6 +128,7 @@ def _engine(model_dir: Path, calibration_dir: Path, sensitivity: float, **settin
                                                **settings))
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     engine.enable_activation_sparsity(probe_set.calibration_texts(), probe_set.digest)
+    engine.enable_output_head()
     return engine, probe_set
 
 
@@ -153,6 +157,7 @@ def _aggregate(config: Mechanisms, stats: list, dense_tps: float, heldout_delta:
         meets_quality=(heldout_delta <= QUALITY_TARGET["perplexity_delta_pct"]
                        and agreement >= QUALITY_TARGET["agreement"]),
         requests=len(stats),
+        output_head_sparsity_budget=config.output_head_sparsity,
     )
 
 
@@ -162,6 +167,7 @@ def _configured(base, config: Mechanisms, sensitivity: float):
         "influence_budget": config.influence_budget,
         "head_budget": config.head_budget,
         "activation_sparsity": config.activation_sparsity,
+        "output_head_sparsity": config.output_head_sparsity,
         "sensitivity": 0.0 if config == DENSE else sensitivity,
     })
 

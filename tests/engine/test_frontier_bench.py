@@ -63,3 +63,21 @@ def test_check_reads_the_curves_as_envelopes():
     assert verdict["default_point"]["times_teal"] == 2.4
     worse = check(teal + [row("d", "engine default", 0.06, 0.96, "greedy")])
     assert worse["dominates"] is False and worse["met"] is False  # at 0.90-0.93 TEAL reaches 0.10
+
+
+def test_the_default_curve_is_the_defaults_mechanism_only():
+    """Points with another output-head target than the default's are another mechanism: they do not
+    lift the default's curve; a head-only point of the default's mechanism does."""
+    def row(name, curve, ratio, agreement, sparsity, head):
+        return {"name": name, "curve": curve, "decode_pruning_ratio": ratio, "agreement": agreement,
+                "allocation": "greedy", "score": "magnitude", "influence_budget": 0.0, "head_budget": 0.0,
+                "activation_sparsity_budget": sparsity, "output_head_sparsity_budget": head}
+
+    teal = [{**row("t", "teal-uniform", 0.05, 0.97, 0.1, 0.0), "allocation": "uniform"}]
+    default = row("d", "engine default", 0.20, 0.96, 0.6, 0.6)
+    no_head = row("g", "greedy", 0.30, 0.99, 0.3, 0.0)  # would double TEAL at 0.99 if it counted
+    assert check(teal + [default, no_head])["by_agreement"][-1]["default_ratio"] == 0.0
+    head_only = row("h", "output head", 0.12, 1.0, 0.0, 0.6)
+    verdict = check(teal + [default, no_head, head_only])
+    assert verdict["by_agreement"][-1]["default_ratio"] == 0.12 and "h" in verdict["default_curve"]
+    assert "g" not in verdict["default_curve"]

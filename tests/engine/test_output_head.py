@@ -44,13 +44,14 @@ def test_the_default_engine_installs_the_head_and_scales_its_target(head_engine)
     assert isinstance(head, ShortlistHead)
     ids = head_engine.render_prompt("Show the routing table.")
     setting = head_engine.settings.output_head_sparsity
-    assert setting == 0.7
-    for sensitivity in (1.0, 0.5, 0.25):
+    assert setting == 0.6
+    for sensitivity in (1.0, 0.5, 0.25, 0.1):
         plan = head_engine.execution_plan(ids, sensitivity, [])
         effective = head_engine.plan(ids, sensitivity, [])[0].signals.effective_sensitivity
         assert plan.output_head_sparsity == pytest.approx(output_head_target(setting, effective), abs=1e-4)
         assert plan.output_head_candidates == 1024
-    assert output_head_target(0.7, OUTPUT_HEAD_FULL_AT) == 0.7 and output_head_target(0.7, 0.25) == pytest.approx(0.35)
+    assert output_head_target(0.6, OUTPUT_HEAD_FULL_AT) == 0.6 and output_head_target(0.6, 1.0) == 0.6
+    assert output_head_target(0.6, OUTPUT_HEAD_FULL_AT / 2) == pytest.approx(0.3)
     assert head_engine.execution_plan(ids, 0.0, []).output_head_sparsity == 0.0
 
 
