@@ -109,7 +109,7 @@ def db_prune_command(
     db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
 ) -> None:
-    """Retention: delete probe results (and emptied rounds) older than the given age."""
+    """Retention: delete probe results (and emptied rounds) and superseded governor decisions older than the given age."""
     from records.store import StoreUnavailableError, connect
     from records.store.migrate import is_current
     from records.store.retention import parse_age, prune_older_than
@@ -127,7 +127,8 @@ def db_prune_command(
         raise fail(str(exc))
     engine.dispose()
     verb = "would delete" if report.dry_run else "deleted"
-    typer.echo(f"{verb} {report.results_deleted} result(s) and {report.rounds_deleted} round(s) older than "
+    typer.echo(f"{verb} {report.results_deleted} result(s), {report.rounds_deleted} round(s) and "
+               f"{report.decisions_deleted} superseded governor decision(s) older than "
                f"{report.cutoff.isoformat(timespec='seconds')} from store {safe_url(db)}")
 
 

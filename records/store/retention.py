@@ -1,4 +1,5 @@
-"""Retention: delete probe results (and then emptied rounds) older than a cut-off.
+"""Retention: delete probe results (and then emptied rounds) older than a cut-off, and the governor's
+decisions older than it except the newest per (target, model, domain), which is the policy in force.
 
 Deletes run in bounded batches, each its own transaction, so pruning a large PostgreSQL table
 never holds one long lock the collector's inserts would queue behind.
@@ -12,11 +13,11 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, delete, exists, func, select
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from records.results import utcnow
 from records.store.database import StoreUnavailableError, reason
-from records.store.models import ProbeResultRow, RoundRow
+from records.store.models import GovernorDecisionRow, ProbeResultRow, RoundRow
 
 _UNITS = {"m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 _DURATION = re.compile(r"^\s*(\d+)\s*([mhdw])\s*$")
@@ -36,16 +37,23 @@ class PruneReport:
     results_deleted: int
     rounds_deleted: int
     dry_run: bool
+    decisions_deleted: int = 0  # governor decisions superseded by a newer one for the same key
 
 
 def prune_older_than(engine: Engine, age: timedelta, *, now: datetime | None = None, batch_size: int = 5000,
                      dry_run: bool = False) -> PruneReport:
-    """Delete results created before now - age, then rounds started before it with no results left."""
+    """Delete results created before now - age, then rounds started before it with no results left, then
+    governor decisions made before it that a newer decision for the same key superseded."""
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     cutoff = (now or utcnow()) - age
     old_results = ProbeResultRow.created_at < cutoff
     empty_old_rounds = (RoundRow.started_at < cutoff) & ~exists().where(ProbeResultRow.round_id == RoundRow.round_id)
+    newer = aliased(GovernorDecisionRow)
+    decision = GovernorDecisionRow
+    superseded_old_decisions = (decision.decided_at < cutoff) & exists().where(
+        (newer.target == decision.target) & (newer.model == decision.model) & (newer.domain == decision.domain)
+        & (newer.id > decision.id))  # newer as GovernorRepository.latest reads it: written later
     try:
         if dry_run:
             with Session(engine) as session:
@@ -54,12 +62,15 @@ def prune_older_than(engine: Engine, age: timedelta, *, now: datetime | None = N
                     select(func.count()).select_from(RoundRow).where(
                         (RoundRow.started_at < cutoff)
                         & ~exists().where((ProbeResultRow.round_id == RoundRow.round_id) & ~old_results))) or 0)
-            return PruneReport(cutoff, results, rounds, True)
+                decisions = int(session.scalar(
+                    select(func.count()).select_from(decision).where(superseded_old_decisions)) or 0)
+            return PruneReport(cutoff, results, rounds, True, decisions)
         results = _delete_in_batches(engine, ProbeResultRow.result_id, old_results, batch_size)
         rounds = _delete_in_batches(engine, RoundRow.round_id, empty_old_rounds, batch_size)
+        decisions = _delete_in_batches(engine, decision.id, superseded_old_decisions, batch_size)
     except SQLAlchemyError as exc:
         raise StoreUnavailableError(f"cannot prune the store: {reason(exc)}") from exc
-    return PruneReport(cutoff, results, rounds, False)
+    return PruneReport(cutoff, results, rounds, False, decisions)
 
 
 def _delete_in_batches(engine: Engine, key, condition, batch_size: int) -> int:

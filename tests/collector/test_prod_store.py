@@ -16,6 +16,7 @@ from prunewatch.commands.collect import db_prune_command, db_upgrade_command
 from records.store import ResultRepository, connect, create_schema
 from records.store.migrate import current_revision, downgrade, head_revision, upgrade
 from records.store.models import Base
+from records.store.governor import GovernorDecision, GovernorRepository
 from records.store.retention import parse_age, prune_older_than
 from tests.collector.factories import ok_result
 from tests.collector.prod_helpers import count_rows, fresh_database
@@ -161,6 +162,42 @@ def check_retention(url: str) -> None:
     engine.dispose()
 
 
+def _decision(days_ago: float, domain: str, setting: float) -> GovernorDecision:
+    return GovernorDecision(decided_at=NOW - timedelta(days=days_ago), target="t", model="m", domain=domain,
+                            old_setting=setting, new_setting=setting, reason="hold", agreement=0.97, probes=2,
+                            good_rounds=1, floor=0.95)
+
+
+def check_decision_retention(url: str) -> None:
+    """Old decisions go, except the newest per key: it is the policy in force however old it is."""
+    engine = connect(url)
+    create_schema(engine)
+    with Session(engine) as session, session.begin():
+        repo = GovernorRepository(session)
+        for decision in (_decision(200, "legal", 0.5), _decision(150, "legal", 0.45), _decision(120, "legal", 0.4),
+                         _decision(100, "tech", 0.6), _decision(95, "finance", 0.55), _decision(5, "finance", 0.5)):
+            repo.add(decision)
+    dry = prune_older_than(engine, timedelta(days=90), now=NOW, dry_run=True)
+    assert dry.decisions_deleted == 3  # legal 200 and 150 (120 is newer), finance 95 (5 is newer); tech is alone
+    report = prune_older_than(engine, timedelta(days=90), now=NOW, batch_size=2)
+    assert report.decisions_deleted == 3
+    with Session(engine) as session:
+        latest = {d.domain: d.new_setting for d in GovernorRepository(session).latest()}
+        remaining = sorted((d.domain, d.new_setting) for d in GovernorRepository(session).history())
+    assert latest == {"legal": 0.4, "tech": 0.6, "finance": 0.5}
+    assert remaining == [("finance", 0.5), ("legal", 0.4), ("tech", 0.6)]
+    assert prune_older_than(engine, timedelta(days=90), now=NOW).decisions_deleted == 0
+    engine.dispose()
+
+
+def test_decision_retention_sqlite(tmp_path):
+    check_decision_retention(f"sqlite:///{tmp_path / 'd.db'}")
+
+
+def test_decision_retention_postgres(postgres):
+    check_decision_retention(fresh_database(postgres))
+
+
 def test_retention_sqlite(tmp_path):
     check_retention(f"sqlite:///{tmp_path / 'r.db'}")
 
@@ -204,10 +241,10 @@ def test_db_commands_against_postgres(postgres):
     seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
     engine.dispose()
     dry = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "90d", "--dry-run"])
-    assert dry.exit_code == 0 and dry.output.startswith("would delete 2 result(s) and 1 round(s) older than ")
+    assert dry.exit_code == 0 and dry.output.startswith("would delete 2 result(s), 1 round(s) and 0 superseded ")
     pruned = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "90d"])
     assert pruned.exit_code == 0, pruned.output
-    assert pruned.output.startswith("deleted 2 result(s) and 1 round(s) older than ")
+    assert pruned.output.startswith("deleted 2 result(s), 1 round(s) and 0 superseded governor decision(s) older than ")
     assert count_rows(url, "SELECT round_id FROM probe_results") == [("b" * 32,)]
 
 
