@@ -95,13 +95,6 @@ class SparseLinear(LinearWrapper):
         # plan, and hashing a frozen plan costs more than the comparison by identity.
         self._last_target: tuple[ExecutionPlan | None, float] = (None, 0.0)
 
-    def __getattr__(self, name: str):
-        # model code may read attributes such as `weight` or `in_features` off its projections.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("linear"), name)
-
     def restore(self) -> nn.Module:
         """The wrapped layer with a contiguous weight of its original layout, for uninstalling."""
         if not self._conv1d and not self.linear.weight.is_contiguous():

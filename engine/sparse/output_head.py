@@ -56,13 +56,6 @@ class ShortlistHead(LinearWrapper):
         self._bytes_per_input_row = self.out_features * weight.element_size()  # one row of W^T
         self._bytes_per_vocab_row = self.in_features * weight.element_size()  # one row of W
 
-    def __getattr__(self, name: str):
-        # transformers and the engine read attributes such as `weight` off the output embeddings.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("linear"), name)
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, vocab={self.out_features}"
 

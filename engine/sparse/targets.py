@@ -112,6 +112,13 @@ class LinearWrapper(nn.Module):
 
     linear: nn.Module
 
+    def __getattr__(self, name: str):
+        # model code reads attributes such as `weight` or `in_features` off the layers it calls.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("linear"), name)
+
 
 def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[str] = DEFAULT_PROJECTIONS,
                         ) -> dict[str, tuple[int, nn.Module]]:
