@@ -93,9 +93,11 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
     risk_for = format_duration(s.quality_risk_for)
     ratio_source = "measured by the engine, each probe's last result averaged over the domain"
     if s.thresholds_source:  # measured for this model by `prunewatch tune`
+        low_origin = f"{low} was derived from a measurement: {s.thresholds_source}."
         red_origin = f"{red} was measured: {s.thresholds_source}."
         risk_origin = f"(measured: {s.thresholds_source}; check token agreement)"
     else:
+        low_origin = f"{low} is a configured default, not measured on this model."
         red_origin = (f"{red} is a configured default, not measured on this model; `prunewatch tune` measures where "
                       "quality falls for it.")
         risk_origin = "(a configured default, not measured on this model; check token agreement)"
@@ -105,7 +107,7 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
             "warning", f"Pruning ratio of {WHERE} below {low}",
             f"24 h average pruning ratio is {_value('%.3f')} (measured by the engine, averaged over the domain's "
             f"probes), under the configured floor {low} for at least {format_duration(s.ratio_low_for)}: pruning "
-            "saves little work for this domain.",
+            f"saves little work for this domain. {low_origin}",
             f"{RUNBOOK}, then compare the domain's calibration heatmap with the prompts it now serves."),
         AlertSpec(
             "PruningRatioQualityRisk", compare(PROMQL_RATIO_BY_DOMAIN, ">", s.quality_red_line), risk_for,
