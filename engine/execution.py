@@ -286,7 +286,7 @@ def _count_head(flops_per_row: int) -> Callable:
         if active is not None:
             work = flops_per_row * _rows(inputs[0])
             active.ledger.executed_flops += work
-            active.ledger.dense_flops += work  # the head is never pruned: dense == executed
+            active.ledger.dense_flops += work  # a dense call of the head (the shortlist head counts its own pruned calls)
             active.ledger.weight_bytes_read += module.weight.numel() * module.weight.element_size()
 
     return hook
