@@ -1,13 +1,17 @@
-"""The collector's metrics rebuilt as time series from stored probe results.
+"""The collector's metrics rebuilt as time series from stored probe results and governor decisions.
 
 Each stored result is what `CollectorMetrics.record` saw, at its `created_at`: gauges become one
 sample per result, counters and histograms become events (an increment at that instant). The
 families, their labels and values are records/metrics.py's RESULT_FAMILIES, read here, not
 restated; a test replays real results through both and compares.
 
+The quality governor's two families (records/governor_metrics.py) come from its stored decisions
+the same way: the setting gauge takes each decision's new setting, the clamp counter increments at
+each decision that lowered it (and exists, at 0, from the key's first decision, as `track` makes it).
+
 What Prometheus would add on top (scrape timestamps, job/instance labels, counter resets) does
-not exist here; a metric that is not derived from probe results (the collector's buffer depth, the
-engine server's own metrics) is unknown to this source and reported as such.
+not exist here; a metric that is derived from neither (the collector's buffer depth, the engine
+server's own metrics) is unknown to this source and reported as such.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Iterable
 
 from prometheus_client.utils import floatToGoString
 
+from records.governor_metrics import GOVERNOR_CLAMPS, GOVERNOR_LABELS, GOVERNOR_SETTING
 from records.metrics import RESULT_FAMILIES, ResultFamily
 from records.results import ProbeResult
+from records.store.governor import GovernorDecision
 
 Labels = tuple[tuple[str, str], ...]
 """Sorted (name, value) pairs, `__name__` included."""
@@ -89,31 +95,56 @@ COUNTERS: dict[str, ResultFamily] = {f.exposed: f for f in RESULT_FAMILIES if f.
 """Counter families of CollectorMetrics by exposed name (`_total`): the increment each result makes."""
 
 
+GOVERNOR_CLAMPS_TOTAL = f"{GOVERNOR_CLAMPS}_total"
+
+
 def counter_names() -> set[str]:
-    names = set(COUNTERS)
+    names = set(COUNTERS) | {GOVERNOR_CLAMPS_TOTAL}
     for family in HISTOGRAMS:
         names.update({f"{family}_bucket", f"{family}_count", f"{family}_sum"})
     return names
 
 
 class StoreSeries:
-    """Series of every metric family derivable from `results`, built once per family on demand."""
+    """Series of every metric family derivable from `results` and governor `decisions`, built once per
+    family on demand. Decisions are taken in the order given (the store's: oldest first)."""
 
-    def __init__(self, results: Iterable[ProbeResult]) -> None:
+    def __init__(self, results: Iterable[ProbeResult], decisions: Iterable[GovernorDecision] = ()) -> None:
         self.results = sorted(results, key=lambda r: (r.created_at, r.result_id))
+        self.decisions = list(decisions)
         self._gauges: dict[str, list[GaugeSeries]] = {}
         self._counters: dict[str, list[CounterSeries]] = {}
 
     @staticmethod
     def kind(metric: str) -> str | None:
         """"gauge", "counter" or None for a metric this source cannot produce."""
-        if metric in GAUGES:
+        if metric in GAUGES or metric == GOVERNOR_SETTING:
             return "gauge"
         if metric in counter_names():
             return "counter"
         return None
 
+    def _governor(self, metric: str) -> list[GaugeSeries] | list[CounterSeries]:
+        """The setting gauge or the clamp counter, one series per (target, domain) of the decisions."""
+        groups: dict[tuple[str, ...], GaugeSeries | CounterSeries] = {}
+        for d in self.decisions:
+            key = tuple(getattr(d, label) for label in GOVERNOR_LABELS)
+            entry = groups.get(key)
+            if entry is None:
+                labels = labels_of(**{NAME: metric}, **dict(zip(GOVERNOR_LABELS, key)))
+                entry = groups[key] = GaugeSeries(labels) if metric == GOVERNOR_SETTING else CounterSeries(labels)
+            entry.times.append(d.decided_at.timestamp())
+            if isinstance(entry, GaugeSeries):
+                entry.values.append(float(d.new_setting))
+            else:
+                entry.increments.append(1.0 if d.clamped else 0.0)
+        return list(groups.values())  # type: ignore[return-value]
+
     def gauges(self, metric: str) -> list[GaugeSeries]:
+        if metric == GOVERNOR_SETTING:
+            if metric not in self._gauges:
+                self._gauges[metric] = self._governor(metric)  # type: ignore[assignment]
+            return self._gauges[metric]
         if metric not in self._gauges:
             spec = GAUGES[metric]
             groups: dict[tuple[tuple[str, str], ...], GaugeSeries] = {}
@@ -159,6 +190,8 @@ class StoreSeries:
         def series(labels: dict[str, str], times: list[float], increments: list[float]) -> CounterSeries:
             return CounterSeries(labels_of(**{NAME: metric}, **labels), times, increments)
 
+        if metric == GOVERNOR_CLAMPS_TOTAL:
+            return self._governor(metric)  # type: ignore[return-value]
         if metric in COUNTERS:
             spec = COUNTERS[metric]
             groups = self._observations(spec)

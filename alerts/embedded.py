@@ -119,7 +119,7 @@ class EmbeddedAlerting:
         if at.tzinfo is None:
             raise ValueError("evaluation time must be timezone-aware (UTC)")
         self._restore_once(at)
-        evaluation = self.evaluator.evaluate(at, StoreSeries(self.history.results(at)))
+        evaluation = self.evaluator.evaluate(at, StoreSeries(self.history.results(at), self.history.decisions(at)))
         firing = [dict(alert.labels) for alert in self.evaluator.alerts("firing")]
         for transition in evaluation.transitions:
             level = logging.WARNING if transition.kind == "firing" else logging.INFO
@@ -146,7 +146,7 @@ class EmbeddedAlerting:
         """
         if at.tzinfo is None:
             raise ValueError("evaluation time must be timezone-aware (UTC)")
-        engine = PromQLEngine(StoreSeries(self.history.results(at)), at.timestamp(),
+        engine = PromQLEngine(StoreSeries(self.history.results(at), self.history.decisions(at)), at.timestamp(),
                               self.settings.lookback.total_seconds(), self.evaluator.rules.recorded)
         return [(dict(s.labels), s.value) for s in engine.vector(parse(expr))]
 

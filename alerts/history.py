@@ -1,4 +1,5 @@
-"""The slice of stored probe results one evaluation needs, read incrementally between rounds.
+"""The slice of stored probe results one evaluation needs, read incrementally between rounds, and the
+quality governor's decisions in the same window (a few per round: read whole each time).
 
 The first read loads [at - horizon, at]; later reads load only what arrived since the last one
 (with an overlap for results committed a little late) and drop what fell out of the horizon, so
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from records.results import ProbeResult
 from records.store import ResultRepository
+from records.store.governor import GovernorDecision, GovernorRepository
 
 _INCLUSIVE = timedelta(microseconds=1)  # the repository's `until` is exclusive; evaluation instants are not
 
@@ -51,3 +53,9 @@ class StoreHistory:
             self._results = {k: r for k, r in self._results.items() if r.created_at >= start}
         self._start, self._end = start, at
         return sorted(self._results.values(), key=lambda r: (r.created_at, r.result_id))
+
+    def decisions(self, at: datetime) -> list[GovernorDecision]:
+        """Governor decisions made in [at - horizon, at], oldest first (the order the governor wrote them)."""
+        with Session(self.engine) as session:
+            decisions = GovernorRepository(session).history(since=at - self.horizon)
+        return [d for d in decisions if d.decided_at <= at]

@@ -19,9 +19,11 @@ from typing import Any
 
 import yaml
 
+from alerts._series import GOVERNOR_CLAMPS_TOTAL
 from alerts.durations import parse_duration
 from records.metrics import LATENCY_BUCKETS
 from records.results import ProbeResult
+from records.store.governor import GovernorDecision
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # promtool evaluates from Unix time 0
 GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_token_agreement": "token_agreement"}
@@ -151,6 +153,8 @@ def results_for(case: dict[str, Any]) -> list[ProbeResult]:
                 failures[(i, model, domain)].extend([s.labels["reason"]] * n)
         elif s.metric == BUCKET_METRIC:
             buckets[(model, domain)].append(s)
+        elif s.metric == GOVERNOR_CLAMPS_TOTAL:
+            continue  # governor decisions, not probe results: decisions_for
         else:
             raise NotConvertible(f"metric {s.metric} is not produced from stored probe results")
     latencies: dict[tuple[int, str, str], list[float]] = {}
@@ -188,3 +192,26 @@ def _result(at: datetime, model: str, domain: str, probe: str, status: str, step
     return ProbeResult(target="embedded", model=model, probe_id=probe, probe_version=1, probe_hash="0" * 16,
                        domain=domain, status=status, round_id=f"{step:032d}", result_id=f"{step:020d}{n:012d}",
                        created_at=at, **fields)
+
+
+def decisions_for(case: dict[str, Any]) -> list[GovernorDecision]:
+    """The governor decisions whose clamp counter is this case's input series: a decision at the series'
+    first sample (the counter appears at 0), and one clamp (sensitivity lowered) per increment."""
+    interval, series = input_series(case)
+    decisions: list[tuple[int, GovernorDecision]] = []
+    for s in series:
+        if s.metric != GOVERNOR_CLAMPS_TOTAL:
+            continue
+        first = next((i for i, v in enumerate(s.values) if v is not None), None)
+        if first is None:
+            continue
+        steps = _increments(s)
+        for i in sorted({first, *steps}):
+            for k in range(max(1, steps.get(i, 0))):
+                clamped = i in steps
+                decisions.append((i, GovernorDecision(
+                    decided_at=EPOCH + interval * i, target=s.labels["target"], model="probe-llama",
+                    domain=s.labels["domain"], old_setting=0.5, new_setting=0.45 if clamped else 0.5,
+                    reason="breach" if clamped else "hold", agreement=0.9 if clamped else 0.97, probes=2,
+                    good_rounds=0, floor=0.95)))
+    return [d for _, d in sorted(decisions, key=lambda pair: pair[0])]

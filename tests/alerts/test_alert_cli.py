@@ -49,9 +49,10 @@ def test_render_rules_refuses_bad_thresholds_in_one_line(runner: CliRunner, monk
 def test_check_lists_what_only_prometheus_evaluates(runner: CliRunner) -> None:
     done = runner.invoke(app, ["check"])
     assert done.exit_code == 0, done.output
-    assert "7 evaluated, 2 Prometheus only, 2 inhibit rules" in done.output
+    assert "8 evaluated, 1 Prometheus only, 2 inhibit rules" in done.output
     assert "CollectorBufferBacklog" in done.output and "Prometheus only" in done.output
-    assert "PruningGovernorClamped" in done.output
+    governor = next(line for line in done.output.splitlines() if "PruningGovernorClamped" in line)
+    assert "evaluated" in governor and "Prometheus only" not in governor  # from the stored decisions
 
 
 def test_check_rejects_a_missing_file(runner: CliRunner, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The embedded evaluator against promtool's own test cases (alerts/rules_test.yml).
 
-Each case's input series become stored probe results in a real SQLite store; the evaluator steps
+Each case's input series become stored probe results (and governor decisions) in a real SQLite store; the evaluator steps
 through the same evaluation times as promtool and must produce exactly the expected alerts
 (labels and rendered annotations) and recorded samples. promtool checks the same file
 (test_alert_tools.py), so Prometheus and the embedded evaluator cannot drift apart silently.
@@ -20,9 +20,11 @@ from alerts import AlertingSettings, EmbeddedAlerting
 from alerts.durations import parse_duration
 from alerts.settings import RULES_PATH
 from records.store import ResultRepository, connect, create_schema
+from records.store.governor import GovernorRepository
 from tests.alerts.promtool_cases import (
     EPOCH,
     NotConvertible,
+    decisions_for,
     load_cases,
     parse_series,
     results_for,
@@ -32,10 +34,12 @@ RULES_TEST = RULES_PATH.parent / "rules_test.yml"
 EVAL_INTERVAL, CASES = load_cases(RULES_TEST)
 
 
-def _store(tmp_path: Path, results) -> object:
+def _store(tmp_path: Path, results, decisions=()) -> object:
     engine = connect(f"sqlite:///{tmp_path / 'conformance.db'}")
     create_schema(engine)
     with Session(engine) as session, session.begin():
+        for decision in decisions:
+            GovernorRepository(session).add(decision)
         repo = ResultRepository(session)
         for round_id in sorted({r.round_id for r in results}):
             first = min(r.created_at for r in results if r.round_id == round_id)
@@ -71,7 +75,7 @@ def test_embedded_evaluator_matches_promtool_case(case: dict, tmp_path: Path) ->
             assert "not derived from stored probe results" in unsupported[test["alertname"]], exc
         assert not case.get("promql_expr_test"), "promql_expr_test cases must be convertible"
         return
-    engine = _store(tmp_path, results)
+    engine = _store(tmp_path, results, decisions_for(case))
     alerting = EmbeddedAlerting(AlertingSettings(state_path=None), engine)
     assert not {t["alertname"] for t in case.get("alert_rule_test", [])} & {r.name for r in alerting.unsupported}
 

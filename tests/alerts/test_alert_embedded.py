@@ -216,7 +216,7 @@ def test_unsupported_rules_are_reported_and_strict_refuses(store, tmp_path: Path
     with caplog.at_level(logging.WARNING, logger="prunewatch.alerts"):
         alerting = EmbeddedAlerting(settings(rules, tmp_path, None), store)
     reasons = {rule.name: rule.reason for rule in alerting.unsupported}
-    assert set(reasons) == {"CollectorBufferBacklog", "PruningGovernorClamped", "TopLatency", "BadTemplate"}
+    assert set(reasons) == {"CollectorBufferBacklog", "TopLatency", "BadTemplate"}
     assert "aggregation 'topk'" in reasons["TopLatency"]
     assert "$value | humanize" in reasons["BadTemplate"]
     assert "metric prunewatch_collector_buffer_depth is not derived from stored probe results" in \
