@@ -98,6 +98,7 @@ def test_governor_brings_agreement_back_to_the_floor_and_relaxes(default_engine,
     assert [d.reason for d in decisions].count(BREACH) == 1
     assert clamps() == 1.0 and scraped == [1.0, 1.0, 1.0, 1.0]
     assert_clamp_alert_fires_once(scraped, tmp_path)
+    assert_embedded_clamp_alert_fires_once(url, decisions)
     assert metrics.registry.get_sample_value("prunewatch_governor_setting", labels) == 0.65
 
     # `prunewatch governor status` prints the policy in force and why.
@@ -133,3 +134,22 @@ def assert_clamp_alert_fires_once(scraped: list[float], tmp_path) -> None:
     done = subprocess.run([promtool, "test", "rules", str(tmp_path / "clamp_test.yml")], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def assert_embedded_clamp_alert_fires_once(url: str, decisions: list) -> None:
+    """Without Prometheus: the embedded evaluator reads the same run's stored decisions and fires
+    PruningGovernorClamped once, at the breach's round, and resolves it when the breach leaves the window."""
+    from datetime import timedelta
+
+    from alerts import AlertingSettings, EmbeddedAlerting
+
+    store = connect(url)
+    alerting = EmbeddedAlerting(AlertingSettings(state_path=None), store)
+    assert "PruningGovernorClamped" not in {rule.name for rule in alerting.unsupported}
+    start = decisions[0].decided_at
+    kinds = []
+    for minute in range(0, 20):
+        evaluation = alerting.evaluate(start + timedelta(minutes=minute, seconds=1))
+        kinds += [(minute, t.kind) for t in evaluation.transitions if t.alert.rule == "PruningGovernorClamped"]
+    store.dispose()
+    assert kinds == [(0, "firing"), (15, "resolved")], kinds
