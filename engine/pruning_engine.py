@@ -457,8 +457,9 @@ class PruningEngine:
                    for i in range(self.num_layers) if i not in plan.bypass)
 
     def _with_sparsity(self, bypass_plan: BypassPlan, blacklist: list[int]) -> ExecutionPlan:
-        """Add the request's activation-sparsity target (sensitivity-scaled) to its bypass plan;
-        blacklisted and transition layers keep dense inputs."""
+        """Add the request's activation-sparsity target (sensitivity-scaled; blacklisted and transition
+        layers keep dense inputs) and its output-head target (engine.settings.output_head_target) to its
+        bypass plan."""
         effective = bypass_plan.signals.effective_sensitivity
         plan = bypass_plan.plan
         head_target = output_head_target(self.settings.output_head_sparsity, effective)
