@@ -263,11 +263,7 @@ def record_skipped_work(skipped_flops: int, skipped_bytes: int, ledger: Executio
 
 
 def _linear_flops_per_row(module: nn.Module) -> int | None:
-    """2 x in x out for nn.Linear and GPT-2's Conv1D (weight stored transposed), also when wrapped by a
-    module that computes it itself (engine.sparse: `.linear`); None otherwise."""
-    inner = getattr(module, "linear", None)
-    if not isinstance(module, nn.Linear) and isinstance(inner, nn.Module):
-        module = inner
+    """2 x in x out for nn.Linear and GPT-2's Conv1D (weight stored transposed); None otherwise."""
     if isinstance(module, nn.Linear):
         return 2 * module.in_features * module.out_features
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
@@ -416,6 +412,8 @@ def instrument(model: nn.Module) -> InstrumentedModel:
     if any(b.output_arity is None for b in wrapped):
         _learn_block_outputs(model, wrapped)
     head = model.get_output_embeddings()
+    if head is not None and not isinstance(head, nn.Linear) and isinstance(getattr(head, "linear", None), nn.Linear):
+        head = head.linear  # the shortlist head (engine.sparse.output_head) wraps the model's own
     per_token = sum(b.dense_flops_per_row for b in wrapped) + (_linear_flops_per_row(head) or 0)
     return InstrumentedModel(model=model, blocks=wrapped, dense_flops_per_token=per_token)
 

@@ -110,3 +110,15 @@ def test_a_request_with_the_head_agrees_with_the_hook_count_and_keeps_the_dense_
 def test_plans_refuse_an_output_head_target_out_of_range(fields, message):
     with pytest.raises(InvalidRequestError, match=message):
         ExecutionPlan(**fields)
+
+
+def test_instrumenting_again_counts_the_wrapped_head_once(head_engine):
+    """instrument() is idempotent: with the shortlist head in place of the model's own, the dense work per
+    token still includes the head (read through the wrapper), and nothing inside a block counts twice."""
+    from engine.execution import instrument
+
+    assert isinstance(head_engine.loaded.model.get_output_embeddings(), ShortlistHead)
+    again = instrument(head_engine.loaded.model)
+    head = head_engine.loaded.model.get_output_embeddings().linear
+    assert again.dense_flops_per_token == head_engine.instrumented.dense_flops_per_token
+    assert again.dense_flops_per_token == sum(b.dense_flops_per_row for b in again.blocks) + 2 * head.weight.numel()
