@@ -49,12 +49,10 @@ from bench.mechanisms import (
     _aggregate,
     _engine,
     finish_quality_figure,
-    interleaved,
+    measure_points,
 )
-from engine.quality import heldout_perplexity_delta
 from engine.settings import OUTPUT_HEAD_FULL_AT
 from engine.sparse.calibration import SparsityCalibration, sparsity_calibration_path
-from probes import heldout_texts
 
 AGREEMENT_RANGE = (0.90, 0.99)
 DOUBLE_FROM = 0.95  # at agreement >= this, the default's ratio must be >= 2x TEAL-uniform's
@@ -168,8 +166,6 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
         calibration_dir: Path | None = None, max_new_tokens: int = 32, probes: int | None = None,
         heldout: bool = True) -> dict:
     """Run every point on every probe, interleaved; write the JSON (and plot); return it."""
-    from tqdm import tqdm
-
     if points[0] != DENSE_POINT:
         raise ValueError("the first point must be 'dense': it is the speed baseline")
     started = time.time()
@@ -190,17 +186,8 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
             "sensitivity": 0.0 if point == DENSE_POINT else point.sensitivity})
         return engine
 
-    collected: dict[str, list] = {p.name: [] for p in points}
-    with tqdm(total=len(chosen) * len(points), desc="frontier", unit="request", file=sys.stderr) as bar:
-        for probe, point in interleaved(chosen, points):
-            engine = configure(point)
-            result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
-                                     quality=True)
-            collected[point.name].append(result.stats)
-            bar.update(1)
-    held: dict[str, float] = {}
-    for point in tqdm(points, desc="held-out perplexity", unit="point", file=sys.stderr):
-        held[point.name] = heldout_perplexity_delta(configure(point), heldout_texts()) if heldout else float("nan")
+    collected, held = measure_points(points, chosen, configure, max_new_tokens=max_new_tokens, desc="frontier",
+                                     heldout=heldout)
     for variant, engine in engines.items():
         engine.settings = bases[variant]
     dense_tps = statistics.median(s.decode_tokens_per_s for s in collected[DENSE_POINT.name])

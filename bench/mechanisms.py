@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -172,31 +172,44 @@ def _configured(base, config: Mechanisms, sensitivity: float):
     })
 
 
+def measure_points(points: Sequence[Mechanisms], probes: Sequence, configure: Callable[[Mechanisms], object], *,
+                   max_new_tokens: int, desc: str, heldout: bool = True) -> tuple[dict[str, list], dict[str, float]]:
+    """Every point on every probe, interleaved, each request with its quality check, then each point's
+    held-out perplexity delta (NaN when `heldout` is False). `configure(point)` returns the engine set
+    up for that point. Returns (request stats per point name, held-out delta per point name)."""
+    from tqdm import tqdm
+
+    collected: dict[str, list] = {p.name: [] for p in points}
+    with tqdm(total=len(probes) * len(points), desc=desc, unit="request", file=sys.stderr) as bar:
+        for probe, point in interleaved(probes, points):
+            engine = configure(point)
+            result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
+                                     quality=True)
+            collected[point.name].append(result.stats)
+            bar.update(1)
+    held: dict[str, float] = {}
+    for point in tqdm(points, desc="held-out perplexity", unit="point", file=sys.stderr):
+        held[point.name] = heldout_perplexity_delta(configure(point), heldout_texts()) if heldout else float("nan")
+    return collected, held
+
+
 def run(grid: tuple[Mechanisms, ...], out: Path, plot: Path | None, *, model_dir: Path = PROBE_MODEL,
         calibration_dir: Path | None = None, sensitivity: float = 0.5, max_new_tokens: int = 32,
         probes: int | None = None) -> dict:
     """Run every configuration on every probe, interleaved; write the JSON (and plot); return it."""
-    from tqdm import tqdm
-
     if grid[0] != DENSE:
         raise ValueError("the first configuration must be 'dense': it is the speed baseline")
     started = time.time()
     calibration_dir = calibration_dir or Path.home() / ".cache" / "prunewatch" / "calibration"
     engine, probe_set = _engine(model_dir, calibration_dir, sensitivity)
     chosen = probe_set.probes[:probes] if probes else probe_set.probes
-    collected: dict[str, list] = {c.name: [] for c in grid}
     base = engine.settings
-    with tqdm(total=len(chosen) * len(grid), desc="mechanisms", unit="request", file=sys.stderr) as bar:
-        for probe, config in interleaved(chosen, grid):
-            engine.settings = _configured(base, config, sensitivity)
-            result = engine.generate(probe.prompt, system=probe.system, max_new_tokens=max_new_tokens,
-                                     quality=True)
-            collected[config.name].append(result.stats)
-            bar.update(1)
-    heldout: dict[str, float] = {}
-    for config in tqdm(grid, desc="held-out perplexity", unit="configuration", file=sys.stderr):
+
+    def configure(config: Mechanisms):
         engine.settings = _configured(base, config, sensitivity)
-        heldout[config.name] = heldout_perplexity_delta(engine, heldout_texts())
+        return engine
+
+    collected, heldout = measure_points(grid, chosen, configure, max_new_tokens=max_new_tokens, desc="mechanisms")
     engine.settings = base
     dense_tps = statistics.median(s.decode_tokens_per_s for s in collected[DENSE.name])
     rows = [_aggregate(c, collected[c.name], dense_tps, heldout[c.name]) for c in grid]
