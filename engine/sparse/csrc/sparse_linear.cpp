@@ -231,7 +231,44 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, cons
   return std::make_tuple(y.to(x.scalar_type()), static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
 }
 
+// The same product as an operator torch.compile can put in a graph: the threshold and the top-k size
+// come as tensors (set per request without recompiling), and the work done is added to
+// stats[slot] = (active channels, kept entries, calls) instead of being returned as Python integers.
+at::Tensor sparse_linear_counted(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias,
+                                 const at::Tensor& scale, const at::Tensor& threshold, const at::Tensor& keep,
+                                 int64_t threads, at::Tensor& stats, int64_t slot) {
+  TORCH_CHECK(stats.scalar_type() == at::kLong && stats.dim() == 2 && stats.size(1) == 3 && stats.is_contiguous(),
+              "sparse_linear_counted: stats must be a contiguous int64 (slots, 3) tensor");
+  TORCH_CHECK(slot >= 0 && slot < stats.size(0), "sparse_linear_counted: slot ", slot, " out of range");
+  const double limit = threshold.item<double>();
+  if (limit < 0.0 && keep.item<int64_t>() < 0) {
+    // A layer whose target is 0 in a sparse graph: every channel passes, so the dense product (the BLAS
+    // call the eager layer makes, on the same transposed weight) gives what the kernel would.
+    check_inputs(x, wt, bias, scale);
+    int64_t* counts = stats.data_ptr<int64_t>() + 3 * slot;
+    counts[0] += wt.size(0);
+    counts[1] += x.size(0) * wt.size(0);
+    counts[2] += 1;
+    return bias.has_value() ? at::addmm(*bias, x, wt) : at::mm(x, wt);
+  }
+  auto result = sparse_linear(x, wt, bias, scale, limit, keep.item<int64_t>(), threads);
+  int64_t* counts = stats.data_ptr<int64_t>() + 3 * slot;
+  counts[0] += std::get<1>(result);
+  counts[1] += std::get<2>(result);
+  counts[2] += 1;
+  return std::get<0>(result);
+}
+
 }  // namespace
+
+TORCH_LIBRARY(prunewatch, m) {
+  m.def("sparse_linear_counted(Tensor x, Tensor wt, Tensor? bias, Tensor scale, Tensor threshold, Tensor keep, "
+        "int threads, Tensor(a!) stats, int slot) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prunewatch, CPU, m) {
+  m.impl("sparse_linear_counted", &sparse_linear_counted);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "prunewatch sparse linear kernel (CPU): reads only the weight rows of active input channels";
