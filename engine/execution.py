@@ -225,12 +225,38 @@ class _Active:
 _ACTIVE: ContextVar[_Active | None] = ContextVar("prunewatch_active_execution", default=None)
 
 
+@dataclass
+class CompiledStepMode:
+    """What the wrapped modules compute while torch.compile traces a decode step (engine.compiled_decode).
+
+    A compiled graph cannot read the request's plan from a context variable or write to its ledger, so
+    the wrappers read these two switches instead; each combination is one graph (Dynamo guards on them).
+    Per-request values that would otherwise recompile (thresholds, the head's top-k size) are tensors.
+    """
+
+    sparse: bool = False  # activation-sparsity wrappers call the counted kernel (engine.sparse.module)
+    output_head: bool = False  # the shortlist head runs sparse (engine.sparse.output_head)
+
+
+COMPILED_STEP = CompiledStepMode()
+
+
 @contextlib.contextmanager
 def executing(plan: ExecutionPlan, ledger: ExecutionLedger) -> Iterator[ExecutionLedger]:
     """Make `plan` govern, and `ledger` count, every forward pass in this context."""
     token = _ACTIVE.set(_Active(plan, ledger))
     try:
         yield ledger
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def outside_execution() -> Iterator[None]:
+    """Run forward passes with no plan in force and nothing counted (a compiled step counts itself)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
     finally:
         _ACTIVE.reset(token)
 
@@ -278,6 +304,8 @@ def _rows(tensor: torch.Tensor) -> int:
 
 def _count_head(flops_per_row: int) -> Callable:
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            return  # a compiled decode step is counted from its plan (engine.compiled_decode)
         active = _ACTIVE.get()
         if active is not None:
             work = flops_per_row * _rows(inputs[0])
@@ -319,6 +347,8 @@ class BypassBlock(nn.Module):
             return getattr(super().__getattr__("block"), name)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():  # compiled decode steps never bypass; counted from the plan
+            return self.block(hidden_states, *args, **kwargs)
         active = _ACTIVE.get()
         if active is None:
             return self._run(hidden_states, *args, **kwargs)

@@ -75,6 +75,7 @@ class PruningEngine:
         self._calibration: Calibration | None = None
         self._sparsity = None  # engine.sparse.SparsityInstallation once thresholds are calibrated
         self._output_head = None  # engine.sparse.output_head.ShortlistHead once enabled
+        self._compiled = None  # engine.compiled_decode.CompiledDecode, built on first use when configured
         if calibration is not None:
             self.use_calibration(calibration)
         self.dram_profile = self._load_dram_profile(settings.dram_profile)
@@ -246,8 +247,10 @@ class PruningEngine:
 
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
-                max_new_tokens: int, use_cache: bool, stop_at_eos: bool = True) -> Iterator[int]:
-        """Greedy decoding under `plan`; yields token ids as they are produced."""
+                max_new_tokens: int, use_cache: bool, stop_at_eos: bool = True,
+                compiled: bool | None = None) -> Iterator[int]:
+        """Greedy decoding under `plan`; yields token ids as they are produced. `compiled`: run decode
+        steps as the compiled graph (engine.compiled_decode) where the plan allows; None: per settings."""
         from transformers import DynamicCache
 
         model = self.loaded.model
@@ -255,13 +258,23 @@ class PruningEngine:
         ids = torch.tensor([prompt_ids], device=device)  # (1, T)
         cache = DynamicCache(config=model.config) if use_cache else None
         executed_blocks = self._kv_layers_read(plan)
+        step = self.compiled_decode(compiled) if use_cache else None
+        if step is not None and not step.supports(plan):
+            step = None
         with executing(plan, ledger):
             position = 0
             step_ids = ids
             for _ in range(max_new_tokens):
                 if use_cache:
                     positions = torch.arange(position, position + step_ids.shape[1], device=device)[None]
-                    out = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
+                    out = None
+                    if step is not None and step_ids.shape[1] == 1:
+                        out = step.step(plan, ledger, input_ids=step_ids, cache=cache, use_cache=True,
+                                        position_ids=positions, logits_to_keep=1)
+                        step = step if out is not None else None  # it failed to compile: eager from now on
+                    if out is None:
+                        out = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
+                                    logits_to_keep=1)
                     position += step_ids.shape[1]
                     context = position
                 else:
@@ -277,16 +290,47 @@ class PruningEngine:
                 step_ids = torch.tensor([[token]], device=device)
                 ids = torch.cat([ids, step_ids], dim=1)
 
-    def measure_decode(self, prompt_ids: Sequence[int], plan: ExecutionPlan, new_tokens: int) -> DecodeMeasurement:
+    def compiled_decode(self, wanted: bool | None = None):
+        """The compiled decode step (engine.compiled_decode) when `wanted` (None: the `compile_decode`
+        setting) and the model is on the CPU, built for the wrappers installed now; None otherwise or once
+        its compilation failed."""
+        wanted = self.settings.compile_decode if wanted is None else wanted
+        if not wanted or self.loaded.device.type != "cpu":
+            return None
+        layers = list(self._sparsity.layers.values()) if self._sparsity is not None else []
+        compiled = self._compiled
+        if compiled is None or compiled.layers != layers or compiled.output_head is not self._output_head:
+            from engine.compiled_decode import CompiledDecode
+
+            compiled = self._compiled = CompiledDecode(self.instrumented, layers, self._output_head)
+        return compiled if compiled.enabled else None
+
+    def warm_up_compiled(self, prompt: str = "Warm up the compiled decode step.") -> float | None:
+        """Compile the decode graphs requests use most (dense, and the default plan's for `prompt`) before
+        serving, so no request waits for a compiler; seconds taken, None when compiled decode is off."""
+        if self.compiled_decode() is None:
+            return None
+        started = time.perf_counter()
+        ids = self.render_prompt(prompt)
+        default = self.execution_plan(ids, self.settings.sensitivity, list(self.settings.layer_blacklist),
+                                      prompt_text=prompt)
+        for plan in (ExecutionPlan(), default):
+            self.measure_decode(ids, plan, 3)
+        return time.perf_counter() - started
+
+    def measure_decode(self, prompt_ids: Sequence[int], plan: ExecutionPlan, new_tokens: int,
+                       compiled: bool | None = None) -> DecodeMeasurement:
         """Greedy-decode exactly `new_tokens` tokens under `plan` (end of sequence does not stop it, as
         vLLM's ignore_eos), for benchmarks: the decode loop of every request, without tokenizing,
-        streaming text or stats; timed from the first generated token to the last."""
+        streaming text or stats; timed from the first generated token to the last. `compiled`: decode
+        steps as the compiled graph, or eagerly (None: the `compile_decode` setting)."""
         if new_tokens < 2:
             raise InvalidRequestError(f"measuring decode needs at least 2 new tokens, got {new_tokens}")
         ledger = ExecutionLedger()
         tokens: list[int] = []
         first_at = 0.0
-        for token in self._decode(list(prompt_ids), plan, ledger, new_tokens, use_cache=True, stop_at_eos=False):
+        for token in self._decode(list(prompt_ids), plan, ledger, new_tokens, use_cache=True, stop_at_eos=False,
+                                  compiled=compiled):
             tokens.append(token)
             if len(tokens) == 1:
                 first_at = time.perf_counter()

@@ -145,6 +145,15 @@ class EngineSettings(BaseSettings):
     agreement_floor: float = Field(
         0.90, ge=0.0, le=1.0, description="Token agreement with the dense model below which a request is flagged."
     )
+    compile_decode: bool = Field(
+        False,
+        description=(
+            "Run decode steps as one torch.compile graph on the CPU (engine/compiled_decode.py): no per-operator "
+            "Python overhead, the same tokens and the same counted work. Dense plans and plans with activation "
+            "sparsity and the output-head shortlist compile; bypass, head gating and the shared policy decode "
+            "eagerly. Each graph compiles on its first step (about a minute for SmolLM2-135M on two cores; "
+            "`prunewatch serve` warms them up before it listens). Needs a C++ compiler, as the sparse kernel does."),
+    )
     dram_profile: Path | None = Field(
         None,
         description=(

@@ -36,6 +36,9 @@ def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["aut
     calibration, cached = engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     logger.info("%s calibration for %s: %d domains (%s)", "cached" if cached else "new", engine.name,
                 len(calibration.domains), ", ".join(sorted(calibration.domains)))
+    warm_up_s = engine.warm_up_compiled()  # PRUNEWATCH_ENGINE_COMPILE_DECODE=true: compile before listening
+    if warm_up_s is not None:
+        logger.info("compiled decode graphs ready in %.0f s", warm_up_s)
     return engine
 
 

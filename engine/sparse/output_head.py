@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.execution import ExecutionLedger, current_execution
-from engine.sparse.kernel import device_kernel
+from engine.execution import COMPILED_STEP, ExecutionLedger, current_execution
+from engine.sparse.kernel import counted_op, device_kernel
 from engine.sparse.targets import LinearWrapper, in_out
 
 RESCORE_CHUNK_ROWS = 16  # rows whose shortlist weights are gathered at once: 16 x 1024 x hidden floats
@@ -56,6 +56,18 @@ class ShortlistHead(LinearWrapper):
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
         self._bytes_per_input_row = self.out_features * weight.element_size()  # one row of W^T
         self._bytes_per_vocab_row = self.in_features * weight.element_size()  # one row of W
+        # Compiled decode steps (engine.compiled_decode): the per-request top-k size as a tensor (no new
+        # graph per request), the shortlist size (a setting, so a constant of the graph) and the counter.
+        self.register_buffer("compiled_keep", torch.tensor(self.in_features, dtype=torch.long), persistent=False)
+        self.register_buffer("compiled_threshold", torch.tensor(0.0), persistent=False)
+        self.compiled_shortlist = 1
+        self._compiled_stats: torch.Tensor | None = None
+        self._compiled_slot = 0
+
+    def attach_counter(self, stats: torch.Tensor, slot: int) -> None:
+        """Count compiled kernel calls into stats[slot] = (input rows read, kept entries, calls)."""
+        self._compiled_stats, self._compiled_slot = stats, slot
+        self._counted_op = counted_op()  # resolved here: the traced forward must not take the build lock
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, vocab={self.out_features}"
@@ -68,6 +80,8 @@ class ShortlistHead(LinearWrapper):
         return max(1, min(int(candidates), self.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._compiled(x)
         execution = current_execution()
         if execution is None or execution[0].output_head_sparsity <= 0.0:
             return self.linear(x)  # the head's counting hook sees a dense call
@@ -82,6 +96,16 @@ class ShortlistHead(LinearWrapper):
         else:
             logits = self._masked_dense(flat, keep, ledger)
         self._rescore(flat, logits, shortlist, ledger)
+        return logits.reshape(*x.shape[:-1], self.out_features)
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The head inside a compiled decode step (one token row): dense, or kernel plus exact shortlist."""
+        if not COMPILED_STEP.output_head or self._compiled_stats is None:
+            return self.linear(x)
+        flat = x.reshape(-1, self.in_features)
+        logits = self._counted_op(flat, self.weight_t, self.linear.bias, self.ones, self.compiled_threshold,
+                              self.compiled_keep, self.kernel_threads, self._compiled_stats, self._compiled_slot)
+        self._rescore(flat, logits, self.compiled_shortlist, None)
         return logits.reshape(*x.shape[:-1], self.out_features)
 
     def _sparse_rows(self, flat: torch.Tensor, keep: int, ledger: ExecutionLedger) -> torch.Tensor:
@@ -104,8 +128,10 @@ class ShortlistHead(LinearWrapper):
         ledger.weight_bytes_read += self._bytes_per_input_row * self.in_features
         return F.linear(masked, self.linear.weight, self.linear.bias)
 
-    def _rescore(self, flat: torch.Tensor, logits: torch.Tensor, shortlist: int, ledger: ExecutionLedger) -> None:
-        """Replace the `shortlist` highest approximate logits of each row by exact ones, in place."""
+    def _rescore(self, flat: torch.Tensor, logits: torch.Tensor, shortlist: int,
+                 ledger: ExecutionLedger | None) -> None:
+        """Replace the `shortlist` highest approximate logits of each row by exact ones, in place; counted
+        on `ledger` unless None (a compiled step, counted from its plan)."""
         weight, bias = self.linear.weight, self.linear.bias
         chosen = logits.topk(shortlist, dim=-1, sorted=False).indices  # (rows, shortlist)
         for start in range(0, flat.shape[0], RESCORE_CHUNK_ROWS):
@@ -117,8 +143,9 @@ class ShortlistHead(LinearWrapper):
             if bias is not None:
                 exact = exact + bias.index_select(0, ids.reshape(-1)).view(ids.shape)
             logits[start:start + RESCORE_CHUNK_ROWS].scatter_(-1, ids, exact.to(logits.dtype))
-        ledger.executed_flops += 2 * shortlist * self.in_features * flat.shape[0]
-        ledger.weight_bytes_read += self._bytes_per_vocab_row * shortlist * flat.shape[0]
+        if ledger is not None:
+            ledger.executed_flops += 2 * shortlist * self.in_features * flat.shape[0]
+            ledger.weight_bytes_read += self._bytes_per_vocab_row * shortlist * flat.shape[0]
 
 
 def install_shortlist_head(model: nn.Module, max_kernel_rows: int = 16, kernel_threads: int = 0) -> ShortlistHead:

@@ -1,0 +1,177 @@
+"""The compiled decode step (engine/compiled_decode.py): the same tokens and the same counted work as the
+eager engine, new request targets without new graphs, eager decoding where a plan cannot compile, and a
+compiler failure that never fails a request."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.compiled_decode import NO_THRESHOLD
+from engine.execution import ExecutionPlan
+from engine.sparse.kernel import counted_op
+
+PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
+TOKENS = 8
+
+
+def _load(probe_model_dir, calibration_dir, **overrides):
+    from engine import EngineSettings, PruningEngine
+    from probes import load_probes
+
+    settings = {"log_level": "NONE", "compile_decode": True, **overrides}
+    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
+                                               **settings))
+    probe_set = load_probes()
+    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(probe_model_dir, calibration_dir):
+    """The probe model with the engine's default mechanisms (activation sparsity, output head), compiled."""
+    return _load(probe_model_dir, calibration_dir)
+
+
+def _default_plan(engine, sensitivity: float | None = None) -> ExecutionPlan:
+    ids = engine.render_prompt(PROMPT)
+    return engine.execution_plan(ids, engine.settings.sensitivity if sensitivity is None else sensitivity, [],
+                                 prompt_text=PROMPT)
+
+
+def _both(engine, plan: ExecutionPlan, tokens: int = TOKENS):
+    ids = engine.render_prompt(PROMPT)
+    return (engine.measure_decode(ids, plan, tokens, compiled=False),
+            engine.measure_decode(ids, plan, tokens, compiled=True))
+
+
+# What the kernels report: fused arithmetic in the graph may move an activation across its threshold, so
+# these may differ by a channel or two from the eager run (on the probe model they have been equal).
+# Everything else is fixed by the plan and must be equal.
+KERNEL_COUNTED = ("executed_flops", "weight_bytes_read", "sparse_executed_flops", "sparse_kept_entries")
+
+
+def _differences(eager, compiled) -> dict:
+    a, b = dataclasses.asdict(eager), dataclasses.asdict(compiled)
+    return {key: (a[key], b[key]) for key in a if not key.startswith("_")
+            and (a[key] != b[key] if key not in KERNEL_COUNTED else abs(a[key] - b[key]) > 1e-3 * abs(a[key]))}
+
+
+def test_compiled_dense_decode_equals_eager(engine):
+    eager, compiled = _both(engine, ExecutionPlan())
+    assert engine.compiled_decode(True) is not None, engine._compiled.failure
+    assert compiled.tokens == eager.tokens
+    assert _differences(eager.ledger, compiled.ledger) == {}
+    assert compiled.ledger.decode_pruning_ratio == 0.0
+
+
+def test_compiled_default_plan_equals_eager_and_counts_the_same_skips(engine):
+    plan = _default_plan(engine)
+    targets = [layer.target_under(plan) for layer in engine.compiled_decode(True).layers]
+    # The default plan runs sparse layers, dense (transition) layers and the sparse head in one graph.
+    assert any(t > 0 for t in targets) and any(t == 0 for t in targets) and plan.output_head_sparsity > 0
+    eager, compiled = _both(engine, plan)
+    assert compiled.tokens == eager.tokens
+    assert _differences(eager.ledger, compiled.ledger) == {}
+    assert compiled.ledger.decode_pruning_ratio > 0.05
+    assert compiled.ledger.sparse_kept_entries < compiled.ledger.sparse_input_entries
+
+
+def test_new_request_targets_reuse_the_compiled_graphs(engine):
+    from torch._dynamo.utils import counters
+
+    ids = engine.render_prompt(PROMPT)
+    engine.measure_decode(ids, _default_plan(engine, 0.5), 3, compiled=True)  # its graph exists
+    graphs = counters["stats"]["unique_graphs"]
+    for sensitivity in (0.3, 0.8):
+        plan = _default_plan(engine, sensitivity)
+        eager, compiled = _both(engine, plan, 5)
+        assert compiled.tokens == eager.tokens
+        assert _differences(eager.ledger, compiled.ledger) == {}
+    assert counters["stats"]["unique_graphs"] == graphs  # thresholds and head size are tensors, not constants
+
+
+@pytest.mark.parametrize("change", [
+    {"bypass": frozenset({3})},
+    {"gated_heads": (frozenset({1}),) * 12},
+    {"sparsity_policy": "shared"},
+])
+def test_plans_that_cannot_compile_decode_eagerly(engine, change):
+    plan = dataclasses.replace(_default_plan(engine), **change)
+    assert not engine.compiled_decode(True).supports(plan)
+    eager, compiled = _both(engine, plan, 5)
+    assert compiled.tokens == eager.tokens
+    assert _differences(eager.ledger, compiled.ledger) == {}
+
+
+def test_a_compiler_failure_turns_compilation_off_and_decodes_eagerly(probe_model_dir, calibration_dir, caplog):
+    engine = _load(probe_model_dir, calibration_dir)
+    step = engine.compiled_decode()
+    assert step is not None
+
+    def fail(**_inputs):
+        raise torch._dynamo.exc.Unsupported("an operator the compiler cannot trace")
+
+    step._forward = fail
+    plan = _default_plan(engine)
+    with caplog.at_level(logging.WARNING, logger="prunewatch.engine.compiled"):
+        compiled = engine.measure_decode(engine.render_prompt(PROMPT), plan, 5)  # per settings: compiled
+    eager = engine.measure_decode(engine.render_prompt(PROMPT), plan, 5, compiled=False)
+    assert compiled.tokens == eager.tokens
+    assert _differences(eager.ledger, compiled.ledger) == {}
+    assert [r.message for r in caplog.records].count(
+        "compiled decode turned off for this engine, decoding eagerly: Unsupported: an operator the compiler "
+        "cannot trace") == 1
+    assert engine.compiled_decode() is None
+
+
+def test_counted_operator_adds_its_work_to_its_slot():
+    torch.manual_seed(0)
+    op = counted_op()
+    x, weight_t, bias = torch.randn(3, 64), torch.randn(64, 40), torch.randn(40)
+    scale = torch.rand(64) + 0.5
+    stats = torch.zeros(4, 3, dtype=torch.long)
+    keep_rows = torch.tensor(-1)
+    output = op(x, weight_t, bias, scale, torch.tensor(0.6), keep_rows, 1, stats, 2)
+    kept = (x.abs() * scale) > 0.6
+    torch.testing.assert_close(output, (x * kept) @ weight_t + bias, rtol=1e-5, atol=1e-5)
+    assert stats[2].tolist() == [int(kept.any(0).sum()), int(kept.sum()), 1]
+    assert stats[[0, 1, 3]].abs().sum() == 0
+    # Below zero: every channel passes; the dense product, bit for bit what the eager layer computes.
+    dense = op(x, weight_t, bias, scale, torch.tensor(NO_THRESHOLD), keep_rows, 1, stats, 0)
+    assert torch.equal(dense, F.linear(x, weight_t.t(), bias))
+    assert stats[0].tolist() == [64, 3 * 64, 1]
+    # A shared top-k of 10 channels.
+    op(x, weight_t, None, scale, torch.tensor(0.0), torch.tensor(10), 1, stats, 3)
+    assert stats[3].tolist() == [10, 30, 1]
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(x, weight_t, None, scale, torch.tensor(0.0), keep_rows, 1, stats, 4)
+
+
+def test_requests_decoding_at_once_keep_their_own_plans_and_counts(engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    plans = [_default_plan(engine, 0.3), ExecutionPlan(), _default_plan(engine, 0.9)]
+    expected = [_both(engine, plan, 6)[0] for plan in plans]
+    ids = engine.render_prompt(PROMPT)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda plan: engine.measure_decode(ids, plan, 6, compiled=True), plans * 2))
+    for plan_index, result in enumerate(results):
+        assert result.tokens == expected[plan_index % 3].tokens
+        assert _differences(expected[plan_index % 3].ledger, result.ledger) == {}
+
+
+def test_warm_up_compiles_the_dense_and_default_graphs(engine, probe_model_dir, calibration_dir):
+    from torch._dynamo.utils import counters
+
+    assert engine.warm_up_compiled() > 0
+    graphs = counters["stats"]["unique_graphs"]
+    ids = engine.render_prompt("Another prompt entirely, about bonds and their coupons.")
+    for plan in (ExecutionPlan(), engine.execution_plan(ids, engine.settings.sensitivity, [])):
+        engine.measure_decode(ids, plan, 3)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert _load(probe_model_dir, calibration_dir, compile_decode=False).warm_up_compiled() is None
