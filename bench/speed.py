@@ -50,7 +50,9 @@ class RunRow:
     """One model x one way of decoding."""
 
     model: str
-    run: str  # "plain" (transformers generate), "dense" (engine, sensitivity 0), "pruned" (engine default)
+    # "plain" (transformers generate), "dense" (engine, sensitivity 0), "pruned" (engine default); with the
+    # suffix "-compiled" the engine's decode steps ran as one torch.compile graph (engine.compiled_decode)
+    run: str
     tokens_per_s: float  # median over rounds
     tokens_per_s_min: float
     tokens_per_s_max: float
@@ -66,6 +68,9 @@ class RunRow:
     fraction_of_bound: float | None = None  # speedup_vs_dense / bound
     decode_pruning_ratio: float | None = None
     fallback: str | None = None  # why the default operating point ran dense, if it did
+    # Compiled runs: share of generated tokens equal to the eager run's of the same plan (fused arithmetic
+    # may change a near-tie; 1.0 when the compiled step decodes exactly as the eager one).
+    agreement_with_eager: float | None = None
     # The best round over the best bandwidth sample: on a shared host load only slows a run down, so
     # ceiling against ceiling; the median-based fraction above is the conservative figure.
     fraction_of_bandwidth_best: float = 0.0
@@ -217,10 +222,11 @@ def _facts(model: torch.nn.Module, weights: str) -> dict:
 
 
 def measure(subject: _Subject, new_tokens: int, rounds: int,
-            bandwidth: Callable[[], float] | None = None) -> tuple[list[RunRow], list[float]]:
+            bandwidth: Callable[[], float] | None = None, compiled: bool = True) -> tuple[list[RunRow], list[float]]:
     """Plain, dense and pruned decode of one model, `rounds` times each in rotating order; `bandwidth`
     (one read-bandwidth sample) runs once per round among them, so the ceiling is measured under the
-    same load as the decodes on a shared host. Returns the rows and the bandwidth samples (GB/s)."""
+    same load as the decodes on a shared host. `compiled`: also the engine's two runs with compiled decode
+    steps (after a warm-up that compiles their graphs). Returns the rows and the bandwidth samples (GB/s)."""
     from engine.execution import ExecutionPlan
 
     engine = subject.engine
@@ -229,60 +235,85 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
     _, fallback = engine.plan(subject.prompt_ids, engine.settings.sensitivity, list(engine.settings.layer_blacklist),
                               prompt_text=PROMPT)
     runs = {
-        "plain": lambda: (plain_decode_rate(subject.plain, subject.prompt_ids, new_tokens), None),
-        "dense": lambda: _engine_run(engine, subject.prompt_ids, ExecutionPlan(), new_tokens),
-        "pruned": lambda: _engine_run(engine, subject.prompt_ids, plan, new_tokens),
+        "plain": lambda: (plain_decode_rate(subject.plain, subject.prompt_ids, new_tokens), None, None),
+        "dense": lambda: _engine_run(engine, subject.prompt_ids, ExecutionPlan(), new_tokens, False),
+        "pruned": lambda: _engine_run(engine, subject.prompt_ids, plan, new_tokens, False),
     }
-    for run in runs.values():  # warm-up: first-call allocations, thread pools, the kernel's caches
+    if compiled:
+        runs["dense-compiled"] = lambda: _engine_run(engine, subject.prompt_ids, ExecutionPlan(), new_tokens, True)
+        runs["pruned-compiled"] = lambda: _engine_run(engine, subject.prompt_ids, plan, new_tokens, True)
+    for name, run in runs.items():  # warm-up: first-call allocations, thread pools, the kernel's caches, graphs
+        started = time.perf_counter()
         run()
+        logger.info("%s %s warm-up %.1f s", subject.name, name, time.perf_counter() - started)
+    if compiled and engine.compiled_decode(True) is None:
+        raise RuntimeError(f"the compiled decode step failed to compile: {engine._compiled.failure}")
     rates: dict[str, list[float]] = {name: [] for name in runs}
     ledgers: dict[str, object] = {}
+    tokens: dict[str, list[int]] = {}
     samples: list[float] = []
     names = list(runs)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             if bandwidth is not None and name == names[(r + 1) % len(names)]:
                 samples.append(bandwidth())  # between two runs, at a different place each round
-            rate, ledger = runs[name]()
+            rate, ledger, generated = runs[name]()
             rates[name].append(rate)
             if ledger is not None:
-                ledgers[name] = ledger
+                ledgers[name], tokens[name] = ledger, generated
         logger.info("%s round %d: %s (load %.1f)", subject.name, r + 1,
                     {k: round(v[-1], 2) for k, v in rates.items()}, os.getloadavg()[0])
     steps = new_tokens - 1
+    if "dense-compiled" in ledgers and ledgers["dense-compiled"].decode_bytes_read != ledgers["dense"].decode_bytes_read:
+        raise RuntimeError(f"{subject.name}: the compiled dense step counted {ledgers['dense-compiled'].decode_bytes_read} "
+                           f"bytes, the eager one {ledgers['dense'].decode_bytes_read}: they must count the same")
+    if "pruned-compiled" in ledgers:  # fused arithmetic may flip a channel at its threshold, no more
+        eager_bytes, graph_bytes = ledgers["pruned"].decode_bytes_read, ledgers["pruned-compiled"].decode_bytes_read
+        if abs(graph_bytes - eager_bytes) > 0.005 * eager_bytes:
+            raise RuntimeError(f"{subject.name}: the compiled pruned step read {graph_bytes} bytes, the eager one "
+                               f"{eager_bytes}: more than 0.5% apart")
     dense_bytes = ledgers["dense"].decode_bytes_read // steps
-    pruned = ledgers["pruned"]
     element = next(subject.plain.parameters()).element_size()
-    sparse_bytes = pruned.decode_sparse_dense_flops // 2 * element // steps  # rows = 1 per decode step
-    if plan.output_head_sparsity > 0:  # the shortlist head skips weight rows too: its weights are pruneable
-        head = subject.plain.get_output_embeddings().weight
-        sparse_bytes += head.numel() * element
-    skipped = max(0, dense_bytes - pruned.decode_bytes_read // steps)
-    s = skipped / sparse_bytes if sparse_bytes else 0.0  # share of the pruneable bytes not read
-    f = sparse_bytes / dense_bytes if dense_bytes else 0.0
-    bound = 1.0 / (1.0 - s * f)  # = dense bytes / pruned bytes per step: time proportional to bytes
+    head_bytes = subject.plain.get_output_embeddings().weight.numel() * element
     medians = {name: statistics.median(values) for name, values in rates.items()}
     rows = []
     for name in names:
-        bytes_per_token = pruned.decode_bytes_read // steps if name == "pruned" else dense_bytes
+        pruned = ledgers.get(name) if name.startswith("pruned") else None
+        bytes_per_token = pruned.decode_bytes_read // steps if pruned is not None else dense_bytes
         row = RunRow(model=subject.name, run=name, tokens_per_s=round(medians[name], 3),
                      tokens_per_s_min=round(min(rates[name]), 3), tokens_per_s_max=round(max(rates[name]), 3),
                      rounds=[round(v, 3) for v in rates[name]], bytes_per_token=int(bytes_per_token),
                      fraction_of_bandwidth=0.0, speedup_vs_plain=round(medians[name] / medians["plain"], 4))
-        if name == "pruned":
-            speedup = medians["pruned"] / medians["dense"]
+        if pruned is not None:
+            s, f = _sparsity_and_share(pruned, dense_bytes, steps, element,
+                                       head_bytes if plan.output_head_sparsity > 0 else 0)
+            bound = 1.0 / (1.0 - s * f)  # = dense bytes / pruned bytes per step: time proportional to bytes
+            speedup = medians[name] / medians[name.replace("pruned", "dense")]
             row.decode_sparsity, row.pruneable_share, row.bound = round(s, 4), round(f, 4), round(bound, 4)
             row.speedup_vs_dense = round(speedup, 4)
             row.fraction_of_bound = round(speedup / bound, 4)
             row.decode_pruning_ratio = round(pruned.decode_pruning_ratio, 6)
             row.fallback = fallback
+        if name.endswith("-compiled"):
+            eager = tokens[name.removesuffix("-compiled")]
+            row.agreement_with_eager = round(sum(a == b for a, b in zip(tokens[name], eager)) / len(eager), 4)
         rows.append(row)
     return rows, samples
 
 
-def _engine_run(engine, prompt_ids: list[int], plan, new_tokens: int):
-    measurement = engine.measure_decode(prompt_ids, plan, new_tokens)
-    return measurement.decode_tokens_per_s, measurement.ledger
+def _sparsity_and_share(pruned, dense_bytes: int, steps: int, element: int, head_bytes: int) -> tuple[float, float]:
+    """(s, f) of one pruned run from its ledger: f the share of a dense step's bytes in the layers that ran
+    sparse (the shortlist head's weights included when it ran: `head_bytes`), s the share of those not read."""
+    sparse_bytes = pruned.decode_sparse_dense_flops // 2 * element // steps + head_bytes  # rows = 1 per step
+    skipped = max(0, dense_bytes - pruned.decode_bytes_read // steps)
+    s = skipped / sparse_bytes if sparse_bytes else 0.0
+    f = sparse_bytes / dense_bytes if dense_bytes else 0.0
+    return s, f
+
+
+def _engine_run(engine, prompt_ids: list[int], plan, new_tokens: int, compiled: bool):
+    measurement = engine.measure_decode(prompt_ids, plan, new_tokens, compiled=compiled)
+    return measurement.decode_tokens_per_s, measurement.ledger, measurement.tokens
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -298,19 +329,19 @@ def _machine(device: str = "cpu") -> dict:
 def format_table(result: dict) -> str:
     head = (f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s (best of {len(result['bandwidth_reps'])}; "
             f"median {result['bandwidth_gb_s_median']:.1f})\n")
-    columns = f"{'model':<28} {'run':<7} {'tok/s':>8} {'min-max':>13} {'MB/token':>9} {'of BW':>6} {'best':>6} " \
-              f"{'vs plain':>8} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'of bound':>8}"
+    columns = f"{'model':<28} {'run':<15} {'tok/s':>8} {'min-max':>13} {'MB/token':>9} {'of BW':>6} {'best':>6} " \
+              f"{'vs plain':>8} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'of bound':>8} {'=eager':>6}"
     lines = [head + columns, "-" * len(columns)]
     for row in result["rows"]:
         def opt(key: str, fmt: str) -> str:
             return format(row[key], fmt) if row.get(key) is not None else "-"
         lines.append(
-            f"{row['model']:<28} {row['run']:<7} {row['tokens_per_s']:>8.2f} "
+            f"{row['model']:<28} {row['run']:<15} {row['tokens_per_s']:>8.2f} "
             f"{row['tokens_per_s_min']:>6.1f}-{row['tokens_per_s_max']:<6.1f} {row['bytes_per_token'] / 1e6:>9.1f} "
             f"{row['fraction_of_bandwidth']:>6.1%} {row.get('fraction_of_bandwidth_best', 0.0):>6.1%} "
             f"{row['speedup_vs_plain']:>7.3f}x {opt('decode_sparsity', '.3f'):>6} "
             f"{opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} {opt('speedup_vs_dense', '.3f'):>8} "
-            f"{opt('fraction_of_bound', '.3f'):>8}")
+            f"{opt('fraction_of_bound', '.3f'):>8} {opt('agreement_with_eager', '.3f'):>6}")
     return "\n".join(lines)
 
 
@@ -321,12 +352,12 @@ def write_plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(row["model"] for row in result["rows"]))
-    runs = ["plain", "dense", "pruned"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    width = 0.26
+    runs = list(dict.fromkeys(row["run"] for row in result["rows"]))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
+    width = 0.8 / len(runs)
     for i, run in enumerate(runs):
         rows = [next(r for r in result["rows"] if r["model"] == m and r["run"] == run) for m in models]
-        x = [j + (i - 1) * width for j in range(len(models))]
+        x = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(models))]
         left.bar(x, [r["tokens_per_s"] for r in rows], width, label=run,
                  yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
                        [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]], capsize=3)
@@ -345,7 +376,8 @@ def write_plot(result: dict, path: Path) -> None:
 
 
 def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidth_mib: int, bandwidth_reps: int,
-        calibration_dir: Path | None, out: Path, plot: Path | None, device: str = "cpu") -> dict:
+        calibration_dir: Path | None, out: Path, plot: Path | None, device: str = "cpu",
+        compiled: bool = True) -> dict:
     """The whole benchmark; returns the result written to `out`."""
     reader = BandwidthReader(bandwidth_mib, device)
     reps = [reader.sample() for _ in range(bandwidth_reps)]
@@ -353,7 +385,8 @@ def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidt
                          bandwidth_gb_s_median=round(statistics.median(reps), 3),
                          bandwidth_reps=[round(v, 3) for v in reps],
                          settings={"new_tokens": new_tokens, "rounds": rounds, "bandwidth_mib": bandwidth_mib,
-                                   "prompt": PROMPT, "timer": "first generated token to last, fixed length"})
+                                   "prompt": PROMPT, "timer": "first generated token to last, fixed length",
+                                   "compiled": compiled and device == "cpu"})
     logger.info("read bandwidth %.1f GB/s", result.bandwidth_gb_s)
     subjects = []
     with tempfile.TemporaryDirectory(prefix="prunewatch-speed-") as scratch:
@@ -364,8 +397,8 @@ def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidt
         for load in subjects:
             subject = load()
             result.models[subject.name] = subject.facts
-            rows, samples = measure(subject, new_tokens, rounds,
-                                    reader.sample)
+            rows, samples = measure(subject, new_tokens, rounds, reader.sample,
+                                    compiled=compiled and device == "cpu")
             result.rows.extend(rows)
             reps.extend(samples)
             del subject  # one model in memory at a time
@@ -404,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/speed-DEVICE.json)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG (default bench/results/speed-DEVICE.png)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="skip the compiled decode runs (each graph compiles for about a minute first)")
     args = parser.parse_args(argv)
     if args.tokens < 3 or args.rounds < 1:
         parser.error("--tokens must be >= 3 and --rounds >= 1")
@@ -418,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     data = run(model_dir, shape, new_tokens=args.tokens, rounds=args.rounds, bandwidth_mib=args.bandwidth_mib,
                bandwidth_reps=args.bandwidth_reps, calibration_dir=args.calibration_dir,
                out=args.out or RESULTS / f"speed-{args.device}.json",
-               plot=None if args.no_plot else args.plot or RESULTS / f"speed-{args.device}.png", device=args.device)
+               plot=None if args.no_plot else args.plot or RESULTS / f"speed-{args.device}.png", device=args.device,
+               compiled=not args.no_compiled)
     sys.stdout.write(format_table(data) + "\n")
     return 0
 

@@ -29,7 +29,9 @@ def test_speed_bench_writes_every_model_and_run(speed_result):
     assert data["bandwidth_gb_s"] == max(data["bandwidth_reps"]) > 0
     assert len(data["models"]) == 2
     runs = {(row["model"], row["run"]) for row in data["rows"]}
-    assert runs == {(model, run) for model in data["models"] for run in ("plain", "dense", "pruned")}
+    assert data["settings"]["compiled"] is True
+    assert runs == {(model, run) for model in data["models"]
+                    for run in ("plain", "dense", "pruned", "dense-compiled", "pruned-compiled")}
     table = format_table(data)
     assert all(model in table for model in data["models"])
 
@@ -46,6 +48,14 @@ def test_speed_bench_figures_are_consistent(speed_result):
             assert row["fraction_of_bandwidth"] == pytest.approx(
                 row["bytes_per_token"] * row["tokens_per_s"] / 1e9 / data["bandwidth_gb_s"], rel=1e-2, abs=1e-4)
         assert plain["bytes_per_token"] == dense["bytes_per_token"] >= pruned["bytes_per_token"]
+        # The compiled step counts the same work as the eager one (the bench refuses to write otherwise).
+        assert rows["dense-compiled"]["bytes_per_token"] == dense["bytes_per_token"]
+        assert rows["pruned-compiled"]["bytes_per_token"] == pytest.approx(pruned["bytes_per_token"], rel=5e-3)
+        assert rows["pruned-compiled"]["bound"] == pytest.approx(pruned["bound"], rel=5e-3)
+        assert rows["dense-compiled"]["agreement_with_eager"] == rows["pruned-compiled"]["agreement_with_eager"] == 1.0
+        assert dense["agreement_with_eager"] is None
+        assert rows["pruned-compiled"]["speedup_vs_dense"] == pytest.approx(
+            rows["pruned-compiled"]["tokens_per_s"] / rows["dense-compiled"]["tokens_per_s"], rel=1e-3)
         # The default operating point ran sparse on the probe model's prompt: s and f measured, bound from them.
         s, f = pruned["decode_sparsity"], pruned["pruneable_share"]
         assert 0.0 <= s < 1.0 and 0.0 <= f <= 1.0
