@@ -220,11 +220,13 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, cons
       : select_top_k(xf.data_ptr<float>(), rows, in, sc.data_ptr<float>(), keep);
   const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
   const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
-  at::Tensor acc = at::zeros({num_threads, rows, out}, xf.options());
+  // One (rows, out) accumulator per thread; with one thread it is the output itself (no view, no sum:
+  // at one token per step these per-call operators cost as much as a small layer's weights).
+  at::Tensor acc = num_threads == 1 ? at::zeros({rows, out}, xf.options()) : at::zeros({num_threads, rows, out}, xf.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wt.scalar_type(), "sparse_linear", [&] {
     accumulate<scalar_t>(sel, wt.data_ptr<scalar_t>(), rows, out, acc.data_ptr<float>(), num_threads);
   });
-  at::Tensor y = num_threads == 1 ? acc[0] : acc.sum(0);
+  at::Tensor y = num_threads == 1 ? acc : acc.sum(0);
   if (bias.has_value()) {
     y.add_(bias->to(at::kFloat));
   }
@@ -240,8 +242,13 @@ at::Tensor sparse_linear_counted(const at::Tensor& x, const at::Tensor& wt, cons
   TORCH_CHECK(stats.scalar_type() == at::kLong && stats.dim() == 2 && stats.size(1) == 3 && stats.is_contiguous(),
               "sparse_linear_counted: stats must be a contiguous int64 (slots, 3) tensor");
   TORCH_CHECK(slot >= 0 && slot < stats.size(0), "sparse_linear_counted: slot ", slot, " out of range");
-  const double limit = threshold.item<double>();
-  if (limit < 0.0 && keep.item<int64_t>() < 0) {
+  TORCH_CHECK(threshold.numel() == 1 && threshold.scalar_type() == at::kFloat && threshold.device().is_cpu() &&
+                  keep.numel() == 1 && keep.scalar_type() == at::kLong && keep.device().is_cpu(),
+              "sparse_linear_counted: threshold must be one float32 and keep one int64 on the CPU");
+  // Read directly: Tensor::item() dispatches, twice per layer per token.
+  const double limit = *threshold.data_ptr<float>();
+  const int64_t top_k = *keep.data_ptr<int64_t>();
+  if (limit < 0.0 && top_k < 0) {
     // A layer whose target is 0 in a sparse graph: every channel passes, so the dense product (the BLAS
     // call the eager layer makes, on the same transposed weight) gives what the kernel would.
     check_inputs(x, wt, bias, scale);
@@ -251,7 +258,7 @@ at::Tensor sparse_linear_counted(const at::Tensor& x, const at::Tensor& wt, cons
     counts[2] += 1;
     return bias.has_value() ? at::addmm(*bias, x, wt) : at::mm(x, wt);
   }
-  auto result = sparse_linear(x, wt, bias, scale, limit, keep.item<int64_t>(), threads);
+  auto result = sparse_linear(x, wt, bias, scale, limit, top_k, threads);
   int64_t* counts = stats.data_ptr<int64_t>() + 3 * slot;
   counts[0] += std::get<1>(result);
   counts[1] += std::get<2>(result);
