@@ -175,3 +175,20 @@ def test_warm_up_compiles_the_dense_and_default_graphs(engine, probe_model_dir, 
         engine.measure_decode(ids, plan, 3)
     assert counters["stats"]["unique_graphs"] == graphs
     assert _load(probe_model_dir, calibration_dir, compile_decode=False).warm_up_compiled() is None
+
+
+def test_a_step_torch_ran_eagerly_is_counted_as_the_dense_step_it_was(probe_model_dir, calibration_dir, caplog):
+    engine = _load(probe_model_dir, calibration_dir)
+    step = engine.compiled_decode()
+    step._forward = engine.loaded.model.forward  # what torch does past its recompile limit: the eager frame
+    plan = _default_plan(engine)
+    ids = engine.render_prompt(PROMPT)
+    with caplog.at_level(logging.WARNING, logger="prunewatch.engine.compiled"):
+        measured = engine.measure_decode(ids, plan, 2)  # the prefill, then one decode step
+    ledger = measured.ledger
+    # Outside the request's execution every wrapper ran dense and counted nothing; the step was counted
+    # once, as dense work, and compilation is off from then on.
+    assert ledger.decode_pruning_ratio == 0.0
+    assert ledger.dense_flops - ledger.prefill_dense_flops == engine.instrumented.dense_flops_per_token
+    assert engine.compiled_decode() is None
+    assert any("ran eagerly instead of the compiled graph" in r.message for r in caplog.records)
