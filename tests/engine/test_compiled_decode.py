@@ -192,3 +192,30 @@ def test_a_step_torch_ran_eagerly_is_counted_as_the_dense_step_it_was(probe_mode
     assert ledger.dense_flops - ledger.prefill_dense_flops == engine.instrumented.dense_flops_per_token
     assert engine.compiled_decode() is None
     assert any("ran eagerly instead of the compiled graph" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("family", ["gpt2"])
+def test_other_families_compile_to_the_same_tokens_and_counts(family, probe_model_dir, tmp_path):
+    """GPT-2, the family least like Llama (Conv1D projections, fused qkv, learned positions). All ten of
+    tests/engine/test_families.py decode the same tokens with the same ledger compiled and eagerly; one
+    here keeps the suite's compile time down."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import EngineSettings, PruningEngine
+    from tests.engine.test_families import PROMPT as FAMILY_PROMPT
+    from tests.engine.test_families import SYSTEM, TEXTS, _configs, _save
+
+    torch.manual_seed(1234)
+    folder = _save(AutoModelForCausalLM.from_config(_configs()[family]), tmp_path / "model", probe_model_dir)
+    engine = PruningEngine.load(EngineSettings(model_dir=folder, device="cpu", calibration_dir=tmp_path / "calibration",
+                                               compile_decode=True, log_level="NONE", sparsity_allocation="uniform"))
+    engine.load_or_calibrate(TEXTS, f"compiled-{family}")
+    ids = engine.render_prompt(FAMILY_PROMPT, SYSTEM)
+    plan = ExecutionPlan(activation_sparsity=0.5, output_head_sparsity=0.6)
+    assert engine.compiled_decode().supports(plan)
+    for each in (ExecutionPlan(), plan):
+        eager = engine.measure_decode(ids, each, 6, compiled=False)
+        compiled = engine.measure_decode(ids, each, 6, compiled=True)
+        assert compiled.tokens == eager.tokens
+        assert _differences(eager.ledger, compiled.ledger) == {}
+    assert engine.compiled_decode() is not None and compiled.ledger.decode_pruning_ratio > 0.1
