@@ -92,6 +92,10 @@ class CompiledDecode:
         self._head_linear = getattr(head, "linear", head)
         self._head_flops = _linear_flops_per_row(self._head_linear) or 0
         self._head_bytes = self._head_linear.weight.numel() * self._head_linear.weight.element_size()
+        # Every block runs in a compiled step (no bypass): what they count, summed once.
+        self._blocks_dense_flops = sum(b.dense_flops_per_row for b in self.blocks)
+        self._blocks_executed_flops = sum(b.executed_flops_per_row for b in self.blocks)
+        self._blocks_bytes = sum(b.weight_bytes for b in self.blocks)
         # Every engine's graphs hang off the same code object (the family's forward): room for several
         # engines per process, four graphs each, before torch would stop compiling.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -131,9 +135,9 @@ class CompiledDecode:
         shortlist = head.compiled_shortlist if head_sparse else 0
         element = self._head_linear.weight.element_size()
         self._counts = _StepCounts(
-            dense_flops=sum(b.dense_flops_per_row for b in self.blocks) + self._head_flops,
-            executed_flops=sum(b.executed_flops_per_row for b in self.blocks) + (0 if head_sparse else self._head_flops),
-            weight_bytes=sum(b.weight_bytes for b in self.blocks) + (0 if head_sparse else self._head_bytes),
+            dense_flops=self._blocks_dense_flops + self._head_flops,
+            executed_flops=self._blocks_executed_flops + (0 if head_sparse else self._head_flops),
+            weight_bytes=self._blocks_bytes + (0 if head_sparse else self._head_bytes),
             sparse_dense_flops=sum(2 * m.in_features * m.out_features for m in sparse_layers),
             sparse_input_entries=sum(m.in_features for m in sparse_layers),
             head_sparse=head_sparse,
@@ -179,10 +183,12 @@ class CompiledDecode:
 
     def _count_dense(self, ledger: ExecutionLedger) -> None:
         """What the eager wrappers count for a dense step (no plan in force: every layer ran dense)."""
-        work = sum(b.executed_flops_per_row for b in self.blocks) + self._head_flops
-        ledger.dense_flops += sum(b.dense_flops_per_row for b in self.blocks) + self._head_flops
-        ledger.executed_flops += work
-        ledger.weight_bytes_read += sum(b.weight_bytes for b in self.blocks) + self._head_bytes
+        ledger.dense_flops += self._blocks_dense_flops + self._head_flops
+        ledger.executed_flops += self._blocks_executed_flops + self._head_flops
+        ledger.weight_bytes_read += self._blocks_bytes + self._head_bytes
+        self._count_block_calls(ledger)
+
+    def _count_block_calls(self, ledger: ExecutionLedger) -> None:
         for block in self.blocks:
             ledger.block_calls[block.index] = ledger.block_calls.get(block.index, 0) + 1
 
@@ -190,8 +196,7 @@ class CompiledDecode:
         """Add the step just run to `ledger`: the plan's fixed work, less what the kernels skipped."""
         counts = self._counts
         ledger.dense_flops += counts.dense_flops
-        for block in self.blocks:
-            ledger.block_calls[block.index] = ledger.block_calls.get(block.index, 0) + 1
+        self._count_block_calls(ledger)
         executed, read = counts.executed_flops, counts.weight_bytes
         if self.layers and counts.sparse_input_entries:
             active = self.stats[:-1, 0]
