@@ -8,11 +8,13 @@ One run measures, on this machine:
    bench.engine.SpeedModelConfig), greedy decoding by plain transformers (`generate`), by the engine
    at sensitivity 0 (dense) and by the engine at its default operating point (EngineSettings
    defaults: calibrated activation sparsity scaled by the request's effective sensitivity, and the
-   output-head shortlist).
+   output-head shortlist), the engine's two runs both eagerly and with compiled decode steps
+   (engine.compiled_decode; their graphs compile in the warm-up, untimed; --no-compiled skips them).
 Per run: decode tokens/s (median and spread over rounds whose order rotates), the bytes one decode
 step really reads (weights of the linears that ran minus the rows the sparse kernel skipped, the
 head, the KV cache; counted by the execution ledger, not estimated), the share of the measured
-bandwidth that makes, the speedup against plain transformers, and for the pruned run the fraction
+bandwidth that makes, the speedup against plain transformers, for compiled runs the share of their
+tokens equal to the eager run's, and for the pruned runs the fraction
 of the bound 1 / (1 - s f) it reaches (f: share of a dense decode step's bytes in the layers that
 ran sparse, the output head included when it had a target; s: share of those bytes the step did not
 read, from the ledger; so s f is the share of the dense step's bytes skipped). Writes JSON and a PNG plot; prints a table.

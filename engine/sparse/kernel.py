@@ -139,7 +139,7 @@ def counted_op() -> Callable[..., torch.Tensor]:
         if not _FAKE_REGISTERED:
             # What the compiler traces instead of the kernel: the output's shape and dtype only.
             @torch.library.register_fake("prunewatch::sparse_linear_counted")
-            def _(x, wt, bias, scale, threshold, keep, threads, stats, slot):  # noqa: ANN001, ANN202
+            def _(x, wt, bias, scale, threshold, keep, threads, stats, slot):
                 return x.new_empty((x.shape[0], wt.shape[1]))
 
             _FAKE_REGISTERED = True

@@ -25,7 +25,7 @@ from engine.execution import (
     current_execution,
 )
 from engine.sparse.calibration import LayerThresholds
-from engine.sparse.kernel import counted_op, device_kernel
+from engine.sparse.kernel import device_kernel
 from engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
 
 
@@ -95,18 +95,9 @@ class SparseLinear(LinearWrapper):
         # (plan, target_under(plan)) of the last call: a request's ~7 calls per block per token share one
         # plan, and hashing a frozen plan costs more than the comparison by identity.
         self._last_target: tuple[ExecutionPlan | None, float] = (None, 0.0)
-        # Compiled decode steps (engine.compiled_decode): the threshold in force as a tensor, so a new
-        # request's targets need no new graph (< 0: every channel active, this layer's target is 0), the
-        # row policy's "no top-k", and the shared counter tensor and this layer's row in it.
-        self.register_buffer("compiled_threshold", torch.tensor(-1.0), persistent=False)
-        self.register_buffer("compiled_keep", torch.tensor(-1, dtype=torch.long), persistent=False)
-        self._compiled_stats: torch.Tensor | None = None
-        self._compiled_slot = 0
-
-    def attach_counter(self, stats: torch.Tensor, slot: int) -> None:
-        """Count this layer's compiled kernel calls into stats[slot] = (active channels, kept entries, calls)."""
-        self._compiled_stats, self._compiled_slot = stats, slot
-        self._counted_op = counted_op()  # resolved here: the traced forward must not take the build lock
+        # Compiled decode steps: the row policy (no top-k); the threshold is set per request, < 0 while
+        # this layer's target is 0 (every channel active).
+        self.init_compiled_call(threshold=-1.0, keep=-1)
 
     def restore(self) -> nn.Module:
         """The wrapped layer with a contiguous weight of its original layout, for uninstalling."""
@@ -163,11 +154,9 @@ class SparseLinear(LinearWrapper):
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The layer inside a compiled decode step: dense, or the counted kernel at the threshold in force."""
-        if not COMPILED_STEP.sparse or self._compiled_stats is None:
+        if not COMPILED_STEP.sparse or not self.counting:
             return self._dense(x)
-        output = self._counted_op(x.reshape(-1, self.in_features), self.weight_t, self._bias[0], self.scale,
-                              self.compiled_threshold, self.compiled_keep, self.kernel_threads,
-                              self._compiled_stats, self._compiled_slot)
+        output = self.counted_call(x.reshape(-1, self.in_features), self.weight_t, self._bias[0], self.scale)
         return output.reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.execution import COMPILED_STEP, ExecutionLedger, current_execution
-from engine.sparse.kernel import counted_op, device_kernel
+from engine.sparse.kernel import device_kernel
 from engine.sparse.targets import LinearWrapper, in_out
 
 RESCORE_CHUNK_ROWS = 16  # rows whose shortlist weights are gathered at once: 16 x 1024 x hidden floats
@@ -56,18 +56,10 @@ class ShortlistHead(LinearWrapper):
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
         self._bytes_per_input_row = self.out_features * weight.element_size()  # one row of W^T
         self._bytes_per_vocab_row = self.in_features * weight.element_size()  # one row of W
-        # Compiled decode steps (engine.compiled_decode): the per-request top-k size as a tensor (no new
-        # graph per request), the shortlist size (a setting, so a constant of the graph) and the counter.
-        self.register_buffer("compiled_keep", torch.tensor(self.in_features, dtype=torch.long), persistent=False)
-        self.register_buffer("compiled_threshold", torch.tensor(0.0), persistent=False)
+        # Compiled decode steps: a top-k per row (its size set per request); the shortlist size is a
+        # setting, so a constant of the graph.
+        self.init_compiled_call(threshold=0.0, keep=self.in_features)
         self.compiled_shortlist = 1
-        self._compiled_stats: torch.Tensor | None = None
-        self._compiled_slot = 0
-
-    def attach_counter(self, stats: torch.Tensor, slot: int) -> None:
-        """Count compiled kernel calls into stats[slot] = (input rows read, kept entries, calls)."""
-        self._compiled_stats, self._compiled_slot = stats, slot
-        self._counted_op = counted_op()  # resolved here: the traced forward must not take the build lock
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, vocab={self.out_features}"
@@ -100,11 +92,10 @@ class ShortlistHead(LinearWrapper):
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The head inside a compiled decode step (one token row): dense, or kernel plus exact shortlist."""
-        if not COMPILED_STEP.output_head or self._compiled_stats is None:
+        if not COMPILED_STEP.output_head or not self.counting:
             return self.linear(x)
         flat = x.reshape(-1, self.in_features)
-        logits = self._counted_op(flat, self.weight_t, self.linear.bias, self.ones, self.compiled_threshold,
-                              self.compiled_keep, self.kernel_threads, self._compiled_stats, self._compiled_slot)
+        logits = self.counted_call(flat, self.weight_t, self.linear.bias, self.ones)
         self._rescore(flat, logits, self.compiled_shortlist, None)
         return logits.reshape(*x.shape[:-1], self.out_features)
 
