@@ -165,10 +165,18 @@ def test_requests_decoding_at_once_keep_their_own_plans_and_counts(engine):
         assert _differences(expected[plan_index % 3].ledger, result.ledger) == {}
 
 
-def test_warm_up_compiles_the_dense_and_default_graphs(engine, probe_model_dir, calibration_dir):
+def test_warm_up_compiles_the_dense_and_default_graphs(engine, probe_model_dir, calibration_dir, monkeypatch):
     from torch._dynamo.utils import counters
 
+    step = engine.compiled_decode()
+    stepped: list[ExecutionPlan] = []
+    run_step = step.step
+    monkeypatch.setattr(step, "step", lambda plan, ledger, **inputs: stepped.append(plan) or run_step(plan, ledger, **inputs))
     assert engine.warm_up_compiled() > 0
+    # Both plans ran compiled steps (on a fresh engine, that is what compiles their graphs)...
+    assert {plan.skips_work for plan in stepped} == {False, True}
+    assert all(step.supports(plan) for plan in stepped)
+    # ... and another prompt's requests find their graphs.
     graphs = counters["stats"]["unique_graphs"]
     ids = engine.render_prompt("Another prompt entirely, about bonds and their coupons.")
     for plan in (ExecutionPlan(), engine.execution_plan(ids, engine.settings.sensitivity, [])):
