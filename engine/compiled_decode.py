@@ -79,11 +79,17 @@ class CompiledDecode:
         self.failure: str | None = None  # why compilation was turned off, once it was
         slots = len(self.layers) + 1
         self.stats = torch.zeros(slots, 3, dtype=torch.long)  # (active channels, kept entries, calls) per call site
+        # What each call site's kernel applies, set per plan (`prepare`): a layer's threshold (NO_THRESHOLD
+        # while its target is 0) with no top-k; the head's top-k per row.
+        self.thresholds = torch.full((slots,), NO_THRESHOLD, dtype=torch.float32)
+        self.keeps = torch.full((slots,), -1, dtype=torch.long)
         for slot, layer in enumerate(self.layers):
-            layer.attach_counter(self.stats, slot)
+            layer.attach_counter(self.stats, self.thresholds, self.keeps, slot)
         self._head_slot = len(self.layers)
         if output_head is not None:
-            output_head.attach_counter(self.stats, self._head_slot)
+            self.thresholds[self._head_slot] = 0.0
+            self.keeps[self._head_slot] = output_head.in_features
+            output_head.attach_counter(self.stats, self.thresholds, self.keeps, self._head_slot)
         self._in = torch.tensor([m.in_features for m in self.layers], dtype=torch.long)
         self._flops_per_channel = torch.tensor([2 * m.out_features for m in self.layers], dtype=torch.long)
         self._bytes_per_channel = torch.tensor([m.out_features * m.weight_t.element_size() for m in self.layers],
@@ -122,14 +128,16 @@ class CompiledDecode:
         if plan is self._plan:
             return
         targets = [layer.target_under(plan) for layer in self.layers]
-        for layer, target in zip(self.layers, targets):
-            layer.compiled_threshold.fill_(layer.thresholds.at(target) if target > 0.0 else NO_THRESHOLD)
+        if self.layers:
+            self.thresholds[:len(self.layers)] = torch.tensor(
+                [layer.thresholds.at(target) if target > 0.0 else NO_THRESHOLD
+                 for layer, target in zip(self.layers, targets)], dtype=torch.float32)
         self._sparse_mask = torch.tensor([1 if t > 0.0 else 0 for t in targets], dtype=torch.long)
         sparse_layers = [m for m, t in zip(self.layers, targets) if t > 0.0]
         head_sparse = self.output_head is not None and plan.output_head_sparsity > 0.0
         head = self.output_head
         if head_sparse:
-            head.compiled_keep.fill_(head.kept_inputs(plan.output_head_sparsity))
+            self.keeps[self._head_slot] = head.kept_inputs(plan.output_head_sparsity)
             head.compiled_shortlist = head.shortlist_size(plan.output_head_candidates)
         hidden = head.in_features if head is not None else 0
         shortlist = head.compiled_shortlist if head_sparse else 0

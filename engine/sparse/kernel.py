@@ -130,8 +130,9 @@ _FAKE_REGISTERED = False
 
 def counted_op() -> Callable[..., torch.Tensor]:
     """The CPU kernel as the operator `prunewatch::sparse_linear_counted`, which torch.compile can place
-    in a graph: (x, weight_t, bias, scale, threshold: 0-d float tensor, keep: 0-d int64 tensor, threads,
-    stats: int64 (slots, 3), slot) -> output, adding (active channels, kept entries, 1 call) to stats[slot].
+    in a graph: (x, weight_t, bias, scale, thresholds: float32 (slots,), keeps: int64 (slots,), threads,
+    stats: int64 (slots, 3), slot) -> output, at thresholds[slot] and keeps[slot] (both < 0: the dense
+    product), adding (active channels, kept entries, 1 call) to stats[slot].
     Builds the kernel if needed; raises SparseKernelUnavailableError where it cannot be built."""
     global _FAKE_REGISTERED
     build()  # loading the extension registers the operator
@@ -139,7 +140,7 @@ def counted_op() -> Callable[..., torch.Tensor]:
         if not _FAKE_REGISTERED:
             # What the compiler traces instead of the kernel: the output's shape and dtype only.
             @torch.library.register_fake("prunewatch::sparse_linear_counted")
-            def _(x, wt, bias, scale, threshold, keep, threads, stats, slot):
+            def _(x, wt, bias, scale, thresholds, keeps, threads, stats, slot):
                 return x.new_empty((x.shape[0], wt.shape[1]))
 
             _FAKE_REGISTERED = True

@@ -95,9 +95,7 @@ class SparseLinear(LinearWrapper):
         # (plan, target_under(plan)) of the last call: a request's ~7 calls per block per token share one
         # plan, and hashing a frozen plan costs more than the comparison by identity.
         self._last_target: tuple[ExecutionPlan | None, float] = (None, 0.0)
-        # Compiled decode steps: the row policy (no top-k); the threshold is set per request, < 0 while
-        # this layer's target is 0 (every channel active).
-        self.init_compiled_call(threshold=-1.0, keep=-1)
+        self.init_compiled_call()
 
     def restore(self) -> nn.Module:
         """The wrapped layer with a contiguous weight of its original layout, for uninstalling."""

@@ -58,7 +58,7 @@ class ShortlistHead(LinearWrapper):
         self._bytes_per_vocab_row = self.in_features * weight.element_size()  # one row of W
         # Compiled decode steps: a top-k per row (its size set per request); the shortlist size is a
         # setting, so a constant of the graph.
-        self.init_compiled_call(threshold=0.0, keep=self.in_features)
+        self.init_compiled_call()
         self.compiled_shortlist = 1
 
     def extra_repr(self) -> str:

@@ -120,20 +120,20 @@ class LinearWrapper(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("linear"), name)
 
-    def init_compiled_call(self, threshold: float, keep: int) -> None:
-        """What the wrapper's kernel call reads inside a compiled decode step (engine.compiled_decode): the
-        threshold and top-k size in force as tensors, so a new request's values need no new graph, and
-        the counter tensor and this call site's row in it (`attach_counter`)."""
-        self.register_buffer("compiled_threshold", torch.tensor(float(threshold)), persistent=False)
-        self.register_buffer("compiled_keep", torch.tensor(int(keep), dtype=torch.long), persistent=False)
+    def init_compiled_call(self) -> None:
+        """No compiled decode step counts this wrapper's kernel calls until `attach_counter`."""
         self._compiled_stats: torch.Tensor | None = None
+        self._compiled_controls: tuple[torch.Tensor, torch.Tensor] | None = None
         self._compiled_slot = 0
 
-    def attach_counter(self, stats: torch.Tensor, slot: int) -> None:
-        """Count this wrapper's compiled kernel calls into stats[slot] = (rows of W^T read, kept entries, calls)."""
+    def attach_counter(self, stats: torch.Tensor, thresholds: torch.Tensor, keeps: torch.Tensor, slot: int) -> None:
+        """What the wrapper's kernel call reads inside a compiled decode step (engine.compiled_decode): its
+        threshold thresholds[slot] and top-k size keeps[slot] in force (tensors, so a new request's values
+        need no new graph), and where it counts: stats[slot] = (rows of W^T read, kept entries, calls).
+        The three tensors are the step's, shared by every call site."""
         from engine.sparse.kernel import counted_op
 
-        self._compiled_stats, self._compiled_slot = stats, slot
+        self._compiled_stats, self._compiled_controls, self._compiled_slot = stats, (thresholds, keeps), slot
         self._counted_op = counted_op()  # resolved here: the traced forward must not take the build lock
 
     @property
@@ -144,8 +144,9 @@ class LinearWrapper(nn.Module):
     def counted_call(self, flat: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
                      scale: torch.Tensor) -> torch.Tensor:
         """The kernel on (rows, in) inputs at the threshold and top-k in force, counted in the attached row."""
-        return self._counted_op(flat, weight_t, bias, scale, self.compiled_threshold, self.compiled_keep,
-                                self.kernel_threads, self._compiled_stats, self._compiled_slot)
+        thresholds, keeps = self._compiled_controls
+        return self._counted_op(flat, weight_t, bias, scale, thresholds, keeps, self.kernel_threads,
+                                self._compiled_stats, self._compiled_slot)
 
 
 def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[str] = DEFAULT_PROJECTIONS,

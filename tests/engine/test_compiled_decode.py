@@ -129,27 +129,33 @@ def test_a_compiler_failure_turns_compilation_off_and_decodes_eagerly(probe_mode
     assert engine.compiled_decode() is None
 
 
-def test_counted_operator_adds_its_work_to_its_slot():
+def test_counted_operator_applies_and_counts_in_its_own_slot():
     torch.manual_seed(0)
     op = counted_op()
     x, weight_t, bias = torch.randn(3, 64), torch.randn(64, 40), torch.randn(40)
     scale = torch.rand(64) + 0.5
     stats = torch.zeros(4, 3, dtype=torch.long)
-    keep_rows = torch.tensor(-1)
-    output = op(x, weight_t, bias, scale, torch.tensor(0.6), keep_rows, 1, stats, 2)
+    # Each slot reads its own threshold and top-k: slot 2 a threshold, slot 0 none, slot 3 a top-k of 10.
+    thresholds = torch.tensor([NO_THRESHOLD, 100.0, 0.6, 0.0])
+    keeps = torch.tensor([-1, -1, -1, 10])
+    output = op(x, weight_t, bias, scale, thresholds, keeps, 1, stats, 2)
     kept = (x.abs() * scale) > 0.6
     torch.testing.assert_close(output, (x * kept) @ weight_t + bias, rtol=1e-5, atol=1e-5)
     assert stats[2].tolist() == [int(kept.any(0).sum()), int(kept.sum()), 1]
     assert stats[[0, 1, 3]].abs().sum() == 0
     # Below zero: every channel passes; the dense product, bit for bit what the eager layer computes.
-    dense = op(x, weight_t, bias, scale, torch.tensor(NO_THRESHOLD), keep_rows, 1, stats, 0)
+    dense = op(x, weight_t, bias, scale, thresholds, keeps, 1, stats, 0)
     assert torch.equal(dense, F.linear(x, weight_t.t(), bias))
     assert stats[0].tolist() == [64, 3 * 64, 1]
-    # A shared top-k of 10 channels.
-    op(x, weight_t, None, scale, torch.tensor(0.0), torch.tensor(10), 1, stats, 3)
+    op(x, weight_t, None, scale, thresholds, keeps, 1, stats, 3)
     assert stats[3].tolist() == [10, 30, 1]
+    # Slot 1's threshold passes nothing: no weight row read, a zero product, still one call.
+    torch.testing.assert_close(op(x, weight_t, bias, scale, thresholds, keeps, 1, stats, 1), bias.expand(3, 40))
+    assert stats[1].tolist() == [0, 0, 1]
     with pytest.raises(RuntimeError, match="out of range"):
-        op(x, weight_t, None, scale, torch.tensor(0.0), keep_rows, 1, stats, 4)
+        op(x, weight_t, None, scale, thresholds, keeps, 1, stats, 4)
+    with pytest.raises(RuntimeError, match="one entry per row of stats"):
+        op(x, weight_t, None, scale, thresholds[:3], keeps, 1, stats, 0)
 
 
 def test_requests_decoding_at_once_keep_their_own_plans_and_counts(engine):
