@@ -25,6 +25,7 @@ import psutil
 
 _STARTED: list[subprocess.Popen] = []
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]+:)[^@\s]+@")  # user:password@ in a URL argument
+_KILL_SETTLE_S = 5.0  # how long `stop` waits for the group members it killed to be gone
 
 
 class ServiceError(RuntimeError):
@@ -226,9 +227,11 @@ def stop(records: Sequence[ProcessRecord], timeout_s: float) -> list[str]:
         except psutil.Error:
             pass
         _reap(record.pid)
+    groups = []
     for record in records:  # children the service forked into its group (e.g. PostgreSQL's backends)
         if not _owns_group(record):
             continue
+        groups.append(record.pid)
         for pid in group_members(record.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -236,4 +239,9 @@ def stop(records: Sequence[ProcessRecord], timeout_s: float) -> list[str]:
                 pass
             if record.name not in killed:
                 killed.append(record.name)
+    # SIGKILL is delivered asynchronously: on a busy host a killed process runs on for a moment. Return
+    # only once they are gone, so a caller that restarts the service never meets the old one's children.
+    settle = time.monotonic() + _KILL_SETTLE_S
+    while any(group_members(pgid) for pgid in groups) and time.monotonic() < settle:
+        time.sleep(0.02)
     return killed
