@@ -80,15 +80,13 @@ class CompiledDecode:
         slots = len(self.layers) + 1
         self.stats = torch.zeros(slots, 3, dtype=torch.long)  # (active channels, kept entries, calls) per call site
         # What each call site's kernel applies, set per plan (`prepare`): a layer's threshold (NO_THRESHOLD
-        # while its target is 0) with no top-k; the head's top-k per row.
+        # while its target is 0) with no top-k; the head's top-k per row (its threshold unused).
         self.thresholds = torch.full((slots,), NO_THRESHOLD, dtype=torch.float32)
         self.keeps = torch.full((slots,), -1, dtype=torch.long)
         for slot, layer in enumerate(self.layers):
             layer.attach_counter(self.stats, self.thresholds, self.keeps, slot)
         self._head_slot = len(self.layers)
         if output_head is not None:
-            self.thresholds[self._head_slot] = 0.0
-            self.keeps[self._head_slot] = output_head.in_features
             output_head.attach_counter(self.stats, self.thresholds, self.keeps, self._head_slot)
         self._in = torch.tensor([m.in_features for m in self.layers], dtype=torch.long)
         self._flops_per_channel = torch.tensor([2 * m.out_features for m in self.layers], dtype=torch.long)
