@@ -249,7 +249,7 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
         run()
         logger.info("%s %s warm-up %.1f s", subject.name, name, time.perf_counter() - started)
     if compiled and engine.compiled_decode(True) is None:
-        raise RuntimeError(f"the compiled decode step failed to compile: {engine._compiled.failure}")
+        raise RuntimeError(f"the compiled decode step failed to compile: {engine.compiled_decode_failure}")
     rates: dict[str, list[float]] = {name: [] for name in runs}
     ledgers: dict[str, object] = {}
     tokens: dict[str, list[int]] = {}

@@ -305,9 +305,15 @@ class PruningEngine:
             compiled = self._compiled = CompiledDecode(self.instrumented, layers, self._output_head)
         return compiled if compiled.enabled else None
 
+    @property
+    def compiled_decode_failure(self) -> str | None:
+        """Why compiled decoding was turned off for this engine (the compiler's error), None while it was not."""
+        return self._compiled.failure if self._compiled is not None else None
+
     def warm_up_compiled(self, prompt: str = "Warm up the compiled decode step.") -> float | None:
         """Compile the decode graphs requests use most (dense, and the default plan's for `prompt`) before
-        serving, so no request waits for a compiler; seconds taken, None when compiled decode is off."""
+        serving, so no request waits for a compiler; seconds taken, None when compiled decode is off,
+        including when compiling failed during the warm-up (the engine then decodes eagerly)."""
         if self.compiled_decode() is None:
             return None
         started = time.perf_counter()
@@ -316,7 +322,7 @@ class PruningEngine:
                                       prompt_text=prompt)
         for plan in (ExecutionPlan(), default):
             self.measure_decode(ids, plan, 3)
-        return time.perf_counter() - started
+        return time.perf_counter() - started if self.compiled_decode() is not None else None
 
     def measure_decode(self, prompt_ids: Sequence[int], plan: ExecutionPlan, new_tokens: int,
                        compiled: bool | None = None) -> DecodeMeasurement:

@@ -63,7 +63,7 @@ def _differences(eager, compiled) -> dict:
 
 def test_compiled_dense_decode_equals_eager(engine):
     eager, compiled = _both(engine, ExecutionPlan())
-    assert engine.compiled_decode(True) is not None, engine._compiled.failure
+    assert engine.compiled_decode(True) is not None, engine.compiled_decode_failure
     assert compiled.tokens == eager.tokens
     assert _differences(eager.ledger, compiled.ledger) == {}
     assert compiled.ledger.decode_pruning_ratio == 0.0
@@ -127,6 +127,18 @@ def test_a_compiler_failure_turns_compilation_off_and_decodes_eagerly(probe_mode
         "compiled decode turned off for this engine, decoding eagerly: Unsupported: an operator the compiler "
         "cannot trace") == 1
     assert engine.compiled_decode() is None
+    assert engine.compiled_decode_failure == "Unsupported: an operator the compiler cannot trace"
+
+
+def test_a_warm_up_whose_compilation_fails_reports_nothing_ready(probe_model_dir, calibration_dir):
+    engine = _load(probe_model_dir, calibration_dir)
+
+    def fail(**_inputs):
+        raise torch._dynamo.exc.Unsupported("an operator the compiler cannot trace")
+
+    engine.compiled_decode()._forward = fail
+    assert engine.warm_up_compiled() is None  # a server must not log graphs as ready: it decodes eagerly
+    assert engine.compiled_decode_failure == "Unsupported: an operator the compiler cannot trace"
 
 
 def test_counted_operator_applies_and_counts_in_its_own_slot():
