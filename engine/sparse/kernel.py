@@ -51,17 +51,23 @@ class KernelOutput:
 
 
 def _isa_flags() -> list[str]:
-    """Vector flags for the instruction set torch itself detected; portable code otherwise."""
+    """Vector flags for the instruction set torch itself detected; portable code otherwise.
+
+    With AVX-512 (torch's level needs F, BW, VL and DQ) the kernel's loops use 512-bit vectors: on
+    SmolLM2-135M's real decode inputs (one thread) that ran 3.5-5% faster than the AVX2 build, fp32 and
+    bf16 weights, sparse and full reads, with bit-identical outputs (the sums run in the same order:
+    vectors span output channels, never the channels summed over)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability in ("AVX2", "AVX512"):
-        return ["-mavx2", "-mfma", "-mf16c"]
-    return []
+    flags = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
+    if capability == "AVX512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
+    return flags
 
 
 def cache_dir() -> Path:
-    """Where the kernel is compiled: one folder per torch version, instruction set and source."""
+    """Where the kernel is compiled: one folder per torch version, instruction set, source and flags."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "prunewatch" / "extensions")
-    source_digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    source_digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_isa_flags()).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.replace('+', '-')}-{torch.backends.cpu.get_cpu_capability()}-{source_digest}"
     return root / "sparse_linear" / tag
 
