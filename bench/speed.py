@@ -2,8 +2,9 @@
 
 One run measures, on this machine:
 1. its read bandwidth: a STREAM-like read (a sum, and a matrix-vector product, the faster counts) of
-   a buffer far larger than the caches, several times before the decodes and once per round among
-   them (on a shared host the ceiling moves with the load; the best sample is the fractions' ceiling);
+   a buffer far larger than the caches, several times before the decodes and right before and after
+   every decode run (on a shared host the ceiling moves with the load: the best sample is the
+   conservative fractions' ceiling, the two samples beside a run the paired fraction's);
 2. for the real model (SmolLM2-135M-Instruct) and for the 0.67 B benchmark shape (random weights,
    bench.engine.SpeedModelConfig), greedy decoding by plain transformers (`generate`), by the engine
    at sensitivity 0 (dense) and by the engine at its default operating point (EngineSettings
@@ -13,7 +14,8 @@ One run measures, on this machine:
 Per run: decode tokens/s (median and spread over rounds whose order rotates), the bytes one decode
 step really reads (weights of the linears that ran minus the rows the sparse kernel skipped, the
 head, the KV cache; counted by the execution ledger, not estimated), the share of the measured
-bandwidth that makes, the speedup against plain transformers, for compiled runs the share of their
+bandwidth that makes (median round against the best sample; best round against it; paired: median
+over rounds of each round against the bandwidth measured beside it), the speedup against plain transformers, for compiled runs the share of their
 tokens equal to the eager run's, and for the pruned runs the fraction
 of the bound 1 / (1 - s f) it reaches (f: share of a dense decode step's bytes in the layers that
 ran sparse, the output head included when it had a target; s: share of those bytes the step did not
@@ -32,9 +34,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -76,6 +78,12 @@ class RunRow:
     # The best round over the best bandwidth sample: on a shared host load only slows a run down, so
     # ceiling against ceiling; the median-based fraction above is the conservative figure.
     fraction_of_bandwidth_best: float = 0.0
+    # Per round, the mean of the two bandwidth samples taken right before and right after the run: what
+    # the host gave at that moment. The paired fraction is the median over rounds of bytes_per_token x
+    # that round's tokens/s over that round's bandwidth, so a round slowed by a neighbour's load is set
+    # against the bandwidth the same load left, not against the best sample of a quieter moment.
+    rounds_bandwidth_gb_s: list[float] = field(default_factory=list)
+    fraction_of_paired_bandwidth: float = 0.0
 
 
 @dataclass
@@ -226,8 +234,8 @@ def _facts(model: torch.nn.Module, weights: str) -> dict:
 def measure(subject: _Subject, new_tokens: int, rounds: int,
             bandwidth: Callable[[], float] | None = None, compiled: bool = True) -> tuple[list[RunRow], list[float]]:
     """Plain, dense and pruned decode of one model, `rounds` times each in rotating order; `bandwidth`
-    (one read-bandwidth sample) runs once per round among them, so the ceiling is measured under the
-    same load as the decodes on a shared host. `compiled`: also the engine's two runs with compiled decode
+    (one read-bandwidth sample) runs before each run and after each round's last, so every run has a
+    sample on either side, taken under the same load as the run on a shared host. `compiled`: also the engine's two runs with compiled decode
     steps (after a warm-up that compiles their graphs). Returns the rows and the bandwidth samples (GB/s)."""
     from engine.execution import ExecutionPlan
 
@@ -254,15 +262,22 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
     ledgers: dict[str, object] = {}
     tokens: dict[str, list[int]] = {}
     samples: list[float] = []
+    paired: dict[str, list[float]] = {name: [] for name in runs}  # per round: mean of the samples beside the run
     names = list(runs)
     for r in range(rounds):
+        before = bandwidth() if bandwidth is not None else None
         for name in names[r % len(names):] + names[:r % len(names)]:
-            if bandwidth is not None and name == names[(r + 1) % len(names)]:
-                samples.append(bandwidth())  # between two runs, at a different place each round
             rate, ledger, generated = runs[name]()
             rates[name].append(rate)
             if ledger is not None:
                 ledgers[name], tokens[name] = ledger, generated
+            if before is not None:
+                after = bandwidth()
+                samples.append(before)
+                paired[name].append((before + after) / 2)
+                before = after
+        if before is not None:
+            samples.append(before)
         logger.info("%s round %d: %s (load %.1f)", subject.name, r + 1,
                     {k: round(v[-1], 2) for k, v in rates.items()}, os.getloadavg()[0])
     steps = new_tokens - 1
@@ -285,7 +300,11 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
         row = RunRow(model=subject.name, run=name, tokens_per_s=round(medians[name], 3),
                      tokens_per_s_min=round(min(rates[name]), 3), tokens_per_s_max=round(max(rates[name]), 3),
                      rounds=[round(v, 3) for v in rates[name]], bytes_per_token=int(bytes_per_token),
-                     fraction_of_bandwidth=0.0, speedup_vs_plain=round(medians[name] / medians["plain"], 4))
+                     fraction_of_bandwidth=0.0, speedup_vs_plain=round(medians[name] / medians["plain"], 4),
+                     rounds_bandwidth_gb_s=[round(v, 3) for v in paired[name]])
+        if paired[name]:
+            row.fraction_of_paired_bandwidth = round(statistics.median(
+                bytes_per_token * rate / 1e9 / gb_s for rate, gb_s in zip(rates[name], paired[name])), 4)
         if pruned is not None:
             s, f = _sparsity_and_share(pruned, dense_bytes, steps, element,
                                        head_bytes if plan.output_head_sparsity > 0 else 0)
@@ -332,15 +351,17 @@ def format_table(result: dict) -> str:
     head = (f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s (best of {len(result['bandwidth_reps'])}; "
             f"median {result['bandwidth_gb_s_median']:.1f})\n")
     columns = f"{'model':<28} {'run':<15} {'tok/s':>8} {'min-max':>13} {'MB/token':>9} {'of BW':>6} {'best':>6} " \
+              f"{'paired':>6} " \
               f"{'vs plain':>8} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'of bound':>8} {'=eager':>6}"
     lines = [head + columns, "-" * len(columns)]
     for row in result["rows"]:
-        def opt(key: str, fmt: str) -> str:
+        def opt(key: str, fmt: str, row: dict = row) -> str:
             return format(row[key], fmt) if row.get(key) is not None else "-"
         lines.append(
             f"{row['model']:<28} {row['run']:<15} {row['tokens_per_s']:>8.2f} "
             f"{row['tokens_per_s_min']:>6.1f}-{row['tokens_per_s_max']:<6.1f} {row['bytes_per_token'] / 1e6:>9.1f} "
             f"{row['fraction_of_bandwidth']:>6.1%} {row.get('fraction_of_bandwidth_best', 0.0):>6.1%} "
+            f"{row.get('fraction_of_paired_bandwidth', 0.0):>6.1%} "
             f"{row['speedup_vs_plain']:>7.3f}x {opt('decode_sparsity', '.3f'):>6} "
             f"{opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} {opt('speedup_vs_dense', '.3f'):>8} "
             f"{opt('fraction_of_bound', '.3f'):>8} {opt('agreement_with_eager', '.3f'):>6}")
@@ -363,8 +384,12 @@ def write_plot(result: dict, path: Path) -> None:
         left.bar(x, [r["tokens_per_s"] for r in rows], width, label=run,
                  yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
                        [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]], capsize=3)
-        right.bar(x, [100 * r["fraction_of_bandwidth"] for r in rows], width, label=run)
-    for axis, title in ((left, "decode tokens/s (median, min-max)"), (right, "% of measured read bandwidth")):
+        bars = right.bar(x, [100 * r["fraction_of_bandwidth"] for r in rows], width, label=run)
+        right.scatter(x, [100 * r.get("fraction_of_paired_bandwidth", 0.0) for r in rows], marker="_", s=160,
+                      color=bars.patches[0].get_facecolor(), edgecolors="black", linewidths=1.5, zorder=3,
+                      label="paired" if i == 0 else None)
+    for axis, title in ((left, "decode tokens/s (median, min-max)"),
+                         (right, "% of read bandwidth: bars vs best sample, dashes paired (median round)")):
         axis.set_xticks(range(len(models)), models, fontsize=8)
         axis.set_title(title, fontsize=10)
         axis.legend(fontsize=8)

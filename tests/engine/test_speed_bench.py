@@ -3,6 +3,7 @@ consistency of what it writes, never timings (the machine running the tests is s
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -48,6 +49,10 @@ def test_speed_bench_figures_are_consistent(speed_result):
             assert row["fraction_of_bandwidth"] == pytest.approx(
                 row["bytes_per_token"] * row["tokens_per_s"] / 1e9 / data["bandwidth_gb_s"], rel=1e-2, abs=1e-4)
         assert plain["bytes_per_token"] == dense["bytes_per_token"] >= pruned["bytes_per_token"]
+        for row in rows.values():  # each round against the bandwidth measured right beside it
+            (gb_s,) = row["rounds_bandwidth_gb_s"]
+            assert row["fraction_of_paired_bandwidth"] == pytest.approx(
+                row["bytes_per_token"] * row["rounds"][0] / 1e9 / gb_s, rel=1e-2, abs=1e-4)
         # The compiled step counts the same work as the eager one (the bench refuses to write otherwise).
         assert rows["dense-compiled"]["bytes_per_token"] == dense["bytes_per_token"]
         assert rows["pruned-compiled"]["bytes_per_token"] == pytest.approx(pruned["bytes_per_token"], rel=5e-3)
@@ -63,3 +68,16 @@ def test_speed_bench_figures_are_consistent(speed_result):
         assert pruned["fraction_of_bound"] == pytest.approx(pruned["speedup_vs_dense"] / pruned["bound"], abs=1e-3)
         if pruned["fallback"] is None and s > 0:
             assert pruned["bytes_per_token"] < dense["bytes_per_token"]
+
+
+def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):
+    data, _ = speed_result
+    runs_per_model = 5
+    # Two samples before the decodes, then per model and round one before each run and one after the last.
+    samples = data["bandwidth_reps"]
+    assert len(samples) == 2 + len(data["models"]) * (runs_per_model + 1)
+    for m, model in enumerate(data["models"]):
+        beside = samples[2 + m * (runs_per_model + 1):][:runs_per_model + 1]
+        rows = [row for row in data["rows"] if row["model"] == model]  # one round: run order = row order
+        assert [row["rounds_bandwidth_gb_s"][0] for row in rows] == pytest.approx(
+            [(a + b) / 2 for a, b in itertools.pairwise(beside)], abs=2e-3)
