@@ -384,10 +384,10 @@ def write_plot(result: dict, path: Path) -> None:
         left.bar(x, [r["tokens_per_s"] for r in rows], width, label=run,
                  yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
                        [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]], capsize=3)
-        bars = right.bar(x, [100 * r["fraction_of_bandwidth"] for r in rows], width, label=run)
-        right.scatter(x, [100 * r.get("fraction_of_paired_bandwidth", 0.0) for r in rows], marker="_", s=160,
-                      color=bars.patches[0].get_facecolor(), edgecolors="black", linewidths=1.5, zorder=3,
-                      label="paired" if i == 0 else None)
+        right.bar(x, [100 * r["fraction_of_bandwidth"] for r in rows], width, label=run)
+        right.hlines([100 * r.get("fraction_of_paired_bandwidth", 0.0) for r in rows], [v - width / 2 for v in x],
+                     [v + width / 2 for v in x], color="black", linewidth=2, zorder=3,
+                     label="paired" if i == 0 else None)
     for axis, title in ((left, "decode tokens/s (median, min-max)"),
                          (right, "% of read bandwidth: bars vs best sample, dashes paired (median round)")):
         axis.set_xticks(range(len(models)), models, fontsize=8)
