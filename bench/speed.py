@@ -15,11 +15,12 @@ Per run: decode tokens/s (median and spread over rounds whose order rotates), th
 step really reads (weights of the linears that ran minus the rows the sparse kernel skipped, the
 head, the KV cache; counted by the execution ledger, not estimated), the share of the measured
 bandwidth that makes (median round against the best sample; best round against it; paired: median
-over rounds of each round against the bandwidth measured beside it), the speedup against plain transformers, for compiled runs the share of their
-tokens equal to the eager run's, and for the pruned runs the fraction
-of the bound 1 / (1 - s f) it reaches (f: share of a dense decode step's bytes in the layers that
-ran sparse, the output head included when it had a target; s: share of those bytes the step did not
-read, from the ledger; so s f is the share of the dense step's bytes skipped). Writes JSON and a PNG plot; prints a table.
+over rounds of each round against the bandwidth measured beside it), the speedup against plain
+transformers, for compiled runs the share of their tokens equal to the eager run's, and for the
+pruned runs the fraction of the bound 1 / (1 - s f) it reaches (f: share of a dense decode step's
+bytes in the layers that ran sparse, the output head included when it had a target; s: share of
+those bytes the step did not read, from the ledger; so s f is the share of the dense step's bytes
+skipped). Writes JSON and a PNG plot; prints a table.
 Tests never assert timings: tests/engine/test_speed_bench.py checks structure on the probe model.
 """
 
@@ -235,8 +236,9 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             bandwidth: Callable[[], float] | None = None, compiled: bool = True) -> tuple[list[RunRow], list[float]]:
     """Plain, dense and pruned decode of one model, `rounds` times each in rotating order; `bandwidth`
     (one read-bandwidth sample) runs before each run and after each round's last, so every run has a
-    sample on either side, taken under the same load as the run on a shared host. `compiled`: also the engine's two runs with compiled decode
-    steps (after a warm-up that compiles their graphs). Returns the rows and the bandwidth samples (GB/s)."""
+    sample on either side, taken under the same load as the run on a shared host. `compiled`: also the
+    engine's two runs with compiled decode steps (after a warm-up that compiles their graphs). Returns
+    the rows and the bandwidth samples (GB/s)."""
     from engine.execution import ExecutionPlan
 
     engine = subject.engine
