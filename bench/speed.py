@@ -84,7 +84,7 @@ class RunRow:
     # that round's tokens/s over that round's bandwidth, so a round slowed by a neighbour's load is set
     # against the bandwidth the same load left, not against the best sample of a quieter moment.
     rounds_bandwidth_gb_s: list[float] = field(default_factory=list)
-    fraction_of_paired_bandwidth: float = 0.0
+    fraction_of_paired_bandwidth: float | None = None  # None: no bandwidth sampled beside the runs
 
 
 @dataclass
@@ -363,7 +363,7 @@ def format_table(result: dict) -> str:
             f"{row['model']:<28} {row['run']:<15} {row['tokens_per_s']:>8.2f} "
             f"{row['tokens_per_s_min']:>6.1f}-{row['tokens_per_s_max']:<6.1f} {row['bytes_per_token'] / 1e6:>9.1f} "
             f"{row['fraction_of_bandwidth']:>6.1%} {row.get('fraction_of_bandwidth_best', 0.0):>6.1%} "
-            f"{row.get('fraction_of_paired_bandwidth', 0.0):>6.1%} "
+            f"{opt('fraction_of_paired_bandwidth', '.1%'):>6} "
             f"{row['speedup_vs_plain']:>7.3f}x {opt('decode_sparsity', '.3f'):>6} "
             f"{opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} {opt('speedup_vs_dense', '.3f'):>8} "
             f"{opt('fraction_of_bound', '.3f'):>8} {opt('agreement_with_eager', '.3f'):>6}")
@@ -387,9 +387,11 @@ def write_plot(result: dict, path: Path) -> None:
                  yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
                        [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]], capsize=3)
         right.bar(x, [100 * r["fraction_of_bandwidth"] for r in rows], width, label=run)
-        right.hlines([100 * r.get("fraction_of_paired_bandwidth", 0.0) for r in rows], [v - width / 2 for v in x],
-                     [v + width / 2 for v in x], color="black", linewidth=2, zorder=3,
-                     label="paired" if i == 0 else None)
+        paired = [(v, 100 * r["fraction_of_paired_bandwidth"]) for v, r in zip(x, rows)
+                  if r.get("fraction_of_paired_bandwidth") is not None]  # results written before it: none
+        if paired:
+            right.hlines([y for _, y in paired], [v - width / 2 for v, _ in paired], [v + width / 2 for v, _ in paired],
+                         color="black", linewidth=2, zorder=3, label="paired" if i == 0 else None)
     for axis, title in ((left, "decode tokens/s (median, min-max)"),
                          (right, "% of read bandwidth: bars vs best sample, dashes paired (median round)")):
         axis.set_xticks(range(len(models)), models, fontsize=8)

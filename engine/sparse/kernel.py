@@ -67,8 +67,8 @@ def _isa_flags() -> list[str]:
 def cache_dir() -> Path:
     """Where the kernel is compiled: one folder per torch version, instruction set, source and flags."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "prunewatch" / "extensions")
-    source_digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_isa_flags()).encode()).hexdigest()[:12]
-    tag = f"torch{torch.__version__.replace('+', '-')}-{torch.backends.cpu.get_cpu_capability()}-{source_digest}"
+    build_digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+    tag = f"torch{torch.__version__.replace('+', '-')}-{torch.backends.cpu.get_cpu_capability()}-{build_digest}"
     return root / "sparse_linear" / tag
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench.engine import SpeedModelConfig
-from bench.speed import format_table, run
+from bench.speed import format_table, run, write_plot
 
 TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096)
@@ -72,7 +72,7 @@ def test_speed_bench_figures_are_consistent(speed_result):
 
 def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):
     data, _ = speed_result
-    runs_per_model = 5
+    runs_per_model = len({row["run"] for row in data["rows"]})
     # Two samples before the decodes, then per model and round one before each run and one after the last.
     samples = data["bandwidth_reps"]
     assert len(samples) == 2 + len(data["models"]) * (runs_per_model + 1)
@@ -81,3 +81,16 @@ def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):
         rows = [row for row in data["rows"] if row["model"] == model]  # one round: run order = row order
         assert [row["rounds_bandwidth_gb_s"][0] for row in rows] == pytest.approx(
             [(a + b) / 2 for a, b in itertools.pairwise(beside)], abs=2e-3)
+
+
+def test_a_result_without_paired_samples_shows_no_paired_figure(speed_result, tmp_path):
+    data, _ = speed_result
+    older = json.loads(json.dumps(data))  # as results written before the paired share read back
+    for row in older["rows"]:
+        del row["fraction_of_paired_bandwidth"], row["rounds_bandwidth_gb_s"]
+    now, before = format_table(data).splitlines()[3:], format_table(older).splitlines()[3:]
+    for line, old_line in zip(now, before, strict=True):  # median, best, paired shares; then no paired one
+        assert line.count("%") == 3 and old_line.count("%") == 2
+        assert old_line.split()[:9] == line.split()[:7] + ["-"] + line.split()[8:9]
+    write_plot(older, tmp_path / "older.png")
+    assert (tmp_path / "older.png").stat().st_size > 0
