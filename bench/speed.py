@@ -398,7 +398,8 @@ def write_plot(result: dict, path: Path) -> None:
         axis.set_title(title, fontsize=10)
         axis.legend(fontsize=8)
     right.axhline(100, color="grey", lw=0.8, ls="--")
-    fig.suptitle(f"decode speed, {result['machine']['processor']}, {result['machine']['torch_threads']} threads, "
+    threads = result['machine']['torch_threads']
+    fig.suptitle(f"decode speed, {result['machine']['processor']}, {threads} thread{'' if threads == 1 else 's'}, "
                  f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
