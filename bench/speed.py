@@ -474,10 +474,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tokens < 3 or args.rounds < 1:
         parser.error("--tokens must be >= 3 and --rounds >= 1")
+    if args.no_real and args.no_shape:
+        parser.error("--no-real and --no-shape together leave nothing to measure")
+    if args.bandwidth_mib < 1 or args.bandwidth_reps < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--bandwidth-mib, --bandwidth-reps and --threads must be >= 1")
+    shape = None
+    if not args.no_shape:
+        try:
+            shape = SpeedModelConfig(**json.loads(args.shape or "{}"))
+        except (ValueError, TypeError) as exc:  # bad JSON, unknown or out-of-range fields (pydantic's are ValueErrors)
+            parser.error(f"--shape: {str(exc).strip().splitlines()[0]}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = None if args.no_shape else SpeedModelConfig(**json.loads(args.shape or "{}"))
     model_dir = None if args.no_real else args.model_dir
     if model_dir is not None and not (model_dir / "config.json").is_file():
         sys.stderr.write(f"error: no model at {model_dir}; download SmolLM2-135M-Instruct there or pass --no-real\n")

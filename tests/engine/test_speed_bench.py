@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench.engine import SpeedModelConfig
-from bench.speed import format_table, run, write_plot
+from bench.speed import format_table, main, run, write_plot
 
 TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096)
@@ -94,3 +94,24 @@ def test_a_result_without_paired_samples_shows_no_paired_figure(speed_result, tm
         assert old_line.split()[:9] == line.split()[:7] + ["-"] + line.split()[8:9]
     write_plot(older, tmp_path / "older.png")
     assert (tmp_path / "older.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--no-real", "--no-shape"], "nothing to measure"),
+    (["--no-real", "--shape", "{not json"], "--shape: Expecting property name"),
+    (["--no-real", "--shape", '{"hidden_size": 8}'], "--shape: 1 validation error"),
+    (["--no-real", "--shape", '{"layers": 2}'], "--shape: 1 validation error"),
+    (["--no-real", "--shape", "[2]"], "--shape: "),
+    (["--no-real", "--bandwidth-mib", "0"], "--bandwidth-mib"),
+    (["--no-real", "--threads", "0"], "--threads"),
+    (["--no-real", "--tokens", "2"], "--tokens must be >= 3"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(argv, message, capsys, tmp_path):
+    """Each is a usage error (exit 2, one line naming the option), raised before the bandwidth read or a model
+    load, so nothing is written."""
+    out = tmp_path / "speed.json"
+    with pytest.raises(SystemExit) as raised:
+        main([*argv, "--out", str(out), "--no-plot"])
+    assert raised.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
