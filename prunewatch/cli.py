@@ -221,6 +221,18 @@ def serve_command(
         raise fail(str(exc))
 
 
+def _run_bench(bench_main, args: list[str]) -> None:
+    """Run a benchmark's main and exit with its code; the engine's typed errors (a missing or unreadable model
+    folder, a calibration made for another model) become one `error:` line, as in every other command."""
+    from engine.errors import EngineError
+
+    try:
+        code = bench_main(args)
+    except EngineError as exc:
+        raise fail(str(exc))
+    raise typer.Exit(code)
+
+
 bench_app = typer.Typer(help="Benchmarks: dense vs pruned in one run, ratios against the baseline.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -232,7 +244,7 @@ def bench_engine_command(ctx: typer.Context) -> None:
     """Decode tokens/s dense vs activation-sparse (batch 1, 4, 8) and probe-model quality vs sparsity."""
     from bench.engine import main as bench_main
 
-    raise typer.Exit(bench_main(list(ctx.args)))
+    _run_bench(bench_main, list(ctx.args))
 
 
 @bench_app.command("mechanisms", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -241,7 +253,7 @@ def bench_mechanisms_command(ctx: typer.Context) -> None:
     on the probe model, each alone and combined, against dense in the same run."""
     from bench.mechanisms import main as bench_main
 
-    raise typer.Exit(bench_main(list(ctx.args)))
+    _run_bench(bench_main, list(ctx.args))
 
 
 @bench_app.command("frontier", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -250,7 +262,7 @@ def bench_frontier_command(ctx: typer.Context) -> None:
     allocation (TEAL's uniform rule as the baseline), all in one run; JSON + plot in bench/results."""
     from bench.frontier import main as bench_main
 
-    raise typer.Exit(bench_main(list(ctx.args)))
+    _run_bench(bench_main, list(ctx.args))
 
 
 @bench_app.command("speed", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -259,7 +271,7 @@ def bench_speed_command(ctx: typer.Context) -> None:
     the real model and the 0.67 B shape, interleaved: tokens/s, bytes per token, share of bandwidth, bound."""
     from bench.speed import main as bench_main
 
-    raise typer.Exit(bench_main(list(ctx.args)))
+    _run_bench(bench_main, list(ctx.args))
 
 
 def _mount_groups() -> None:

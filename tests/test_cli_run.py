@@ -151,6 +151,18 @@ def test_damaged_model_is_one_line_exit_2_and_creates_no_store(tmp_path, probe_m
     assert list(work.iterdir()) == []  # no store file (nor its -wal, nor an alerts state file)
 
 
+@pytest.mark.parametrize("bench, case", [("frontier", "missing"), ("frontier", "wrong-shape"),
+                                         ("mechanisms", "config-not-json")])
+def test_bench_on_a_damaged_model_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_dir, bench, case):
+    """The benchmarks load models with the engine's loader; its typed errors end as in every other command."""
+    folder = _bad_model(case, probe_model_dir, tmp_path / "models")
+    out = tmp_path / "result.json"
+    result = run_cli("bench", bench, "--model", str(folder), "--out", str(out), timeout=120,
+                     env={**os.environ, "HOME": str(tmp_path)})
+    _assert_one_line_error(result, BAD_MODELS[case])
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("case", ["bad-probes", "bad-db", "sqlite-folder-missing", "sensitivity", "port-taken"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_dir, case):
     db = tmp_path / "out.db"
