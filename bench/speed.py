@@ -20,7 +20,9 @@ transformers, for compiled runs the share of their tokens equal to the eager run
 pruned runs the fraction of the bound 1 / (1 - s f) it reaches (f: share of a dense decode step's
 bytes in the layers that ran sparse, the output head included when it had a target; s: share of
 those bytes the step did not read, from the ledger; so s f is the share of the dense step's bytes
-skipped). Writes JSON and a PNG plot; prints a table.
+skipped). Speedups come twice: as the ratio of two medians, and within rounds (the median over rounds of
+the ratio between the two runs of one round, which a load slowing the whole round cancels). Writes JSON
+and a PNG plot; prints a table.
 Tests never assert timings: tests/engine/test_speed_bench.py checks structure on the probe model.
 """
 
@@ -85,6 +87,12 @@ class RunRow:
     # against the bandwidth the same load left, not against the best sample of a quieter moment.
     rounds_bandwidth_gb_s: list[float] = field(default_factory=list)
     fraction_of_paired_bandwidth: float | None = None  # None: no bandwidth sampled beside the runs
+    # The speedups again as the median over rounds of the ratio within each round (the runs of a round follow
+    # each other, so a load that slows the whole round cancels): on a shared host a steadier estimate than
+    # the ratio of two medians taken from different rounds. None in results written before they existed.
+    speedup_vs_plain_paired: float | None = None
+    speedup_vs_dense_paired: float | None = None
+    fraction_of_bound_paired: float | None = None
 
 
 @dataclass
@@ -304,6 +312,7 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
                      rounds=[round(v, 3) for v in rates[name]], bytes_per_token=int(bytes_per_token),
                      fraction_of_bandwidth=0.0, speedup_vs_plain=round(medians[name] / medians["plain"], 4),
                      rounds_bandwidth_gb_s=[round(v, 3) for v in paired[name]])
+        row.speedup_vs_plain_paired = round(paired_ratio(rates[name], rates["plain"]), 4)
         if paired[name]:
             row.fraction_of_paired_bandwidth = round(statistics.median(
                 bytes_per_token * rate / 1e9 / gb_s for rate, gb_s in zip(rates[name], paired[name])), 4)
@@ -315,6 +324,9 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             row.decode_sparsity, row.pruneable_share, row.bound = round(s, 4), round(f, 4), round(bound, 4)
             row.speedup_vs_dense = round(speedup, 4)
             row.fraction_of_bound = round(speedup / bound, 4)
+            within_rounds = paired_ratio(rates[name], rates[name.replace("pruned", "dense")])
+            row.speedup_vs_dense_paired = round(within_rounds, 4)
+            row.fraction_of_bound_paired = round(within_rounds / bound, 4)
             row.decode_pruning_ratio = round(pruned.decode_pruning_ratio, 6)
             row.fallback = fallback
         if name.endswith("-compiled"):
@@ -322,6 +334,13 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             row.agreement_with_eager = round(sum(a == b for a, b in zip(tokens[name], eager)) / len(eager), 4)
         rows.append(row)
     return rows, samples
+
+
+def paired_ratio(rates: Sequence[float], baseline: Sequence[float]) -> float:
+    """Median over rounds of rates[i] / baseline[i]: both runs of round i, so what slowed the round cancels."""
+    if len(rates) != len(baseline) or not rates:
+        raise ValueError(f"paired ratio needs one baseline per round: {len(rates)} rounds, {len(baseline)} baselines")
+    return statistics.median(rate / base for rate, base in zip(rates, baseline))
 
 
 def _sparsity_and_share(pruned, dense_bytes: int, steps: int, element: int, head_bytes: int) -> tuple[float, float]:
@@ -354,7 +373,8 @@ def format_table(result: dict) -> str:
             f"median {result['bandwidth_gb_s_median']:.1f})\n")
     columns = f"{'model':<28} {'run':<15} {'tok/s':>8} {'min-max':>13} {'MB/token':>9} {'of BW':>6} {'best':>6} " \
               f"{'paired':>6} " \
-              f"{'vs plain':>8} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'of bound':>8} {'=eager':>6}"
+              f"{'vs plain':>8} {'paired':>7} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'paired':>7} " \
+              f"{'of bound':>8} {'paired':>7} {'=eager':>6}"
     lines = [head + columns, "-" * len(columns)]
     for row in result["rows"]:
         def opt(key: str, fmt: str, row: dict = row) -> str:
@@ -364,9 +384,11 @@ def format_table(result: dict) -> str:
             f"{row['tokens_per_s_min']:>6.1f}-{row['tokens_per_s_max']:<6.1f} {row['bytes_per_token'] / 1e6:>9.1f} "
             f"{row['fraction_of_bandwidth']:>6.1%} {row.get('fraction_of_bandwidth_best', 0.0):>6.1%} "
             f"{opt('fraction_of_paired_bandwidth', '.1%'):>6} "
-            f"{row['speedup_vs_plain']:>7.3f}x {opt('decode_sparsity', '.3f'):>6} "
-            f"{opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} {opt('speedup_vs_dense', '.3f'):>8} "
-            f"{opt('fraction_of_bound', '.3f'):>8} {opt('agreement_with_eager', '.3f'):>6}")
+            f"{row['speedup_vs_plain']:>7.3f}x {opt('speedup_vs_plain_paired', '.3f'):>7} "
+            f"{opt('decode_sparsity', '.3f'):>6} {opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} "
+            f"{opt('speedup_vs_dense', '.3f'):>8} {opt('speedup_vs_dense_paired', '.3f'):>7} "
+            f"{opt('fraction_of_bound', '.3f'):>8} {opt('fraction_of_bound_paired', '.3f'):>7} "
+            f"{opt('agreement_with_eager', '.3f'):>6}")
     return "\n".join(lines)
 
 

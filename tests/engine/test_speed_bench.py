@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench.engine import SpeedModelConfig
-from bench.speed import format_table, main, run, write_plot
+from bench.speed import format_table, main, paired_ratio, run, write_plot
 
 TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096)
@@ -68,6 +68,39 @@ def test_speed_bench_figures_are_consistent(speed_result):
         assert pruned["fraction_of_bound"] == pytest.approx(pruned["speedup_vs_dense"] / pruned["bound"], abs=1e-3)
         if pruned["fallback"] is None and s > 0:
             assert pruned["bytes_per_token"] < dense["bytes_per_token"]
+        # The within-round speedups: from the stored rounds, against the run of the same round.
+        for name, row in rows.items():
+            assert row["speedup_vs_plain_paired"] == pytest.approx(row["rounds"][0] / plain["rounds"][0], rel=1e-3)
+            if name.startswith("pruned"):
+                baseline = rows[name.replace("pruned", "dense")]
+                assert row["speedup_vs_dense_paired"] == pytest.approx(
+                    row["rounds"][0] / baseline["rounds"][0], rel=1e-3)
+                assert row["fraction_of_bound_paired"] == pytest.approx(
+                    row["speedup_vs_dense_paired"] / row["bound"], abs=1e-3)
+            else:
+                assert row["speedup_vs_dense_paired"] is None and row["fraction_of_bound_paired"] is None
+
+
+def test_paired_ratio_cancels_what_slowed_a_whole_round():
+    """Round 2 ran at half speed for both runs: the within-round ratio still sees the run 10% faster in two of
+    three rounds, where the ratio of the medians (9 / 10) would call it 10% slower."""
+    plain, run_ = [10.0, 5.0, 10.0], [11.0, 5.5, 9.0]
+    assert paired_ratio(run_, plain) == pytest.approx(1.1)
+    assert paired_ratio(plain, plain) == 1.0
+    with pytest.raises(ValueError, match="one baseline per round"):
+        paired_ratio(run_, plain[:2])
+    with pytest.raises(ValueError):
+        paired_ratio([], [])
+
+
+def test_a_result_without_within_round_speedups_shows_none(speed_result):
+    data, _ = speed_result
+    older = json.loads(json.dumps(data))  # as results written before the within-round speedups read back
+    for row in older["rows"]:
+        del row["speedup_vs_plain_paired"], row["speedup_vs_dense_paired"], row["fraction_of_bound_paired"]
+    for line in format_table(older).splitlines()[3:]:
+        fields = line.split()
+        assert fields[9] == "-" and fields[-2] == "-"  # vs plain's and of bound's within-round columns
 
 
 def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):
