@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -221,7 +222,7 @@ def serve_command(
         raise fail(str(exc))
 
 
-def _run_bench(bench_main, args: list[str]) -> None:
+def _run_bench(bench_main: Callable[[list[str]], int], args: list[str]) -> None:
     """Run a benchmark's main and exit with its code; the engine's typed errors (a missing or unreadable model
     folder, a calibration made for another model) become one `error:` line, as in every other command."""
     from engine.errors import EngineError
