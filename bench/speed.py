@@ -104,6 +104,9 @@ class SpeedResult:
     settings: dict
     models: dict[str, dict] = field(default_factory=dict)  # name -> facts (params, dtype, ...)
     rows: list[RunRow] = field(default_factory=list)
+    # Models still to measure when this was written: the JSON is rewritten after each model, so a run that
+    # fails in its second model keeps the first's measurements (0 once the run is complete).
+    models_pending: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -432,7 +435,9 @@ def write_plot(result: dict, path: Path) -> None:
 def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidth_mib: int, bandwidth_reps: int,
         calibration_dir: Path | None, out: Path, plot: Path | None, device: str = "cpu",
         compiled: bool = True) -> dict:
-    """The whole benchmark; returns the result written to `out`."""
+    """The whole benchmark; returns the result written to `out` (rewritten after each model)."""
+    if model_dir is None and shape is None:
+        raise ValueError("nothing to measure: neither a real model nor a shape")
     reader = BandwidthReader(bandwidth_mib, device)
     reps = [reader.sample() for _ in range(bandwidth_reps)]
     result = SpeedResult(machine=_machine(device), bandwidth_gb_s=round(max(reps), 3),
@@ -448,7 +453,7 @@ def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidt
             subjects.append(lambda: _load_real(model_dir, calibration_dir, device))
         if shape is not None:
             subjects.append(lambda: _load_shape(shape, calibration_dir or Path(scratch), device=device))
-        for load in subjects:
+        for done, load in enumerate(subjects, start=1):
             subject = load()
             result.models[subject.name] = subject.facts
             rows, samples = measure(subject, new_tokens, rounds, reader.sample,
@@ -456,6 +461,15 @@ def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidt
             result.rows.extend(rows)
             reps.extend(samples)
             del subject  # one model in memory at a time
+            result.models_pending = len(subjects) - done
+            data = _write(result, reps, out)
+    if plot is not None:
+        write_plot(data, plot)
+    return data
+
+
+def _write(result: SpeedResult, reps: list[float], out: Path) -> dict:
+    """Set the bandwidth figures and every row's shares from all samples so far, and write the JSON."""
     result.bandwidth_reps = [round(v, 3) for v in reps]
     result.bandwidth_gb_s = round(max(reps), 3)
     result.bandwidth_gb_s_median = round(statistics.median(reps), 3)
@@ -466,8 +480,6 @@ def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidt
     data = result.as_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
-    if plot is not None:
-        write_plot(data, plot)
     return data
 
 

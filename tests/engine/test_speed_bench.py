@@ -28,7 +28,7 @@ def test_speed_bench_writes_every_model_and_run(speed_result):
     assert json.loads((out / "speed.json").read_text()) == data
     assert (out / "speed.png").stat().st_size > 0
     assert data["bandwidth_gb_s"] == max(data["bandwidth_reps"]) > 0
-    assert len(data["models"]) == 2
+    assert len(data["models"]) == 2 and data["models_pending"] == 0
     runs = {(row["model"], row["run"]) for row in data["rows"]}
     assert data["settings"]["compiled"] is True
     assert runs == {(model, run) for model in data["models"]
@@ -148,3 +148,22 @@ def test_bad_arguments_are_refused_before_anything_runs(argv, message, capsys, t
     assert raised.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_run_that_fails_in_its_second_model_keeps_the_first(probe_model_dir, calibration_dir, tmp_path, monkeypatch):
+    """The JSON is written after each model: the failure of the second loses nothing measured before it."""
+    def broken_shape(*args, **kwargs):
+        raise RuntimeError("the shape could not be built")
+
+    monkeypatch.setattr("bench.speed._load_shape", broken_shape)
+    out = tmp_path / "speed.json"
+    with pytest.raises(RuntimeError, match="could not be built"):
+        run(probe_model_dir, TINY, new_tokens=4, rounds=1, bandwidth_mib=16, bandwidth_reps=2,
+            calibration_dir=calibration_dir, out=out, plot=None, compiled=False)
+    kept = json.loads(out.read_text())
+    assert kept["models_pending"] == 1 and list(kept["models"]) == ["probe-llama"]
+    assert {row["run"] for row in kept["rows"]} == {"plain", "dense", "pruned"}
+    assert all(row["fraction_of_bandwidth"] > 0 for row in kept["rows"])
+    with pytest.raises(ValueError, match="nothing to measure"):
+        run(None, None, new_tokens=4, rounds=1, bandwidth_mib=16, bandwidth_reps=2, calibration_dir=None,
+            out=out, plot=None)
