@@ -522,9 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = None if args.no_real else args.model_dir
-    if model_dir is not None and not (model_dir / "config.json").is_file():
-        sys.stderr.write(f"error: no model at {model_dir}; download SmolLM2-135M-Instruct there or pass --no-real\n")
-        return 1
+    if model_dir is not None and not (model_dir / "config.json").is_file():  # before minutes of bandwidth reads
+        from engine.errors import ModelLoadError
+
+        raise ModelLoadError(f"no model at {model_dir}; fetch SmolLM2-135M-Instruct with `prunewatch models pull "
+                             "SmolLM2-135M-Instruct`, name another with --model-dir, or pass --no-real")
     data = run(model_dir, shape, new_tokens=args.tokens, rounds=args.rounds, bandwidth_mib=args.bandwidth_mib,
                bandwidth_reps=args.bandwidth_reps, calibration_dir=args.calibration_dir,
                out=args.out or RESULTS / f"speed-{args.device}.json",

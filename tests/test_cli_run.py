@@ -152,14 +152,17 @@ def test_damaged_model_is_one_line_exit_2_and_creates_no_store(tmp_path, probe_m
 
 
 @pytest.mark.parametrize("bench, case", [("frontier", "missing"), ("frontier", "wrong-shape"),
-                                         ("mechanisms", "config-not-json")])
+                                         ("mechanisms", "config-not-json"), ("speed", "missing")])
 def test_bench_on_a_damaged_model_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_dir, bench, case):
-    """The benchmarks load models with the engine's loader; its typed errors end as in every other command."""
+    """The benchmarks load models with the engine's loader; its typed errors end as in every other command.
+    `bench speed` checks its real model's folder itself, before minutes of bandwidth reads, with the same error."""
     folder = _bad_model(case, probe_model_dir, tmp_path / "models")
     out = tmp_path / "result.json"
-    result = run_cli("bench", bench, "--model", str(folder), "--out", str(out), timeout=120,
+    model_option = "--model-dir" if bench == "speed" else "--model"
+    result = run_cli("bench", bench, model_option, str(folder), "--out", str(out), timeout=120,
                      env={**os.environ, "HOME": str(tmp_path)})
-    _assert_one_line_error(result, BAD_MODELS[case])
+    _assert_one_line_error(result, "no model at" if bench == "speed" else BAD_MODELS[case])
+    assert str(folder) in result.stderr
     assert not out.exists()
 
 
