@@ -22,7 +22,8 @@ bytes in the layers that ran sparse, the output head included when it had a targ
 those bytes the step did not read, from the ledger; so s f is the share of the dense step's bytes
 skipped). Speedups come twice: as the ratio of two medians, and within rounds (the median over rounds of
 the ratio between the two runs of one round, which a load slowing the whole round cancels). Writes JSON
-and a PNG plot; prints a table.
+and a PNG plot; prints a table and the goals the result is held to (bench.speed_goals: every run under
+every estimator, with a verdict per goal). `--report FILE` prints both for a result written before.
 Tests never assert timings: tests/engine/test_speed_bench.py checks structure on the probe model.
 """
 
@@ -42,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from bench.speed_goals import format_goals, goals_summary
 
 logger = logging.getLogger("prunewatch.bench.speed")
 
@@ -107,6 +110,9 @@ class SpeedResult:
     # Models still to measure when this was written: the JSON is rewritten after each model, so a run that
     # fails in its second model keeps the first's measurements (0 once the run is complete).
     models_pending: int = 0
+    # The issue's goals checked against the rows, run by run and estimator by estimator (bench.speed_goals);
+    # derived from the rows when the JSON is written, so they always agree with them.
+    goals: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -477,6 +483,7 @@ def _write(result: SpeedResult, reps: list[float], out: Path) -> dict:
         row.fraction_of_bandwidth = round(row.bytes_per_token * row.tokens_per_s / 1e9 / result.bandwidth_gb_s, 4)
         row.fraction_of_bandwidth_best = round(
             row.bytes_per_token * row.tokens_per_s_max / 1e9 / result.bandwidth_gb_s, 4)
+    result.goals = goals_summary(result.as_dict())
     data = result.as_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
@@ -505,7 +512,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip the compiled decode runs (each graph compiles for about a minute first)")
+    parser.add_argument("--report", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: print the table and the goals of a result written before")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        try:
+            data = json.loads(args.report.read_text())
+            report = format_table(data) + "\n\n" + format_goals(data)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--report {args.report}: not a readable `bench speed` result ({type(exc).__name__}: {exc})")
+        sys.stdout.write(report + "\n")
+        return 0
     if args.tokens < 3 or args.rounds < 1:
         parser.error("--tokens must be >= 3 and --rounds >= 1")
     if args.no_real and args.no_shape:
@@ -532,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                out=args.out or RESULTS / f"speed-{args.device}.json",
                plot=None if args.no_plot else args.plot or RESULTS / f"speed-{args.device}.png", device=args.device,
                compiled=not args.no_compiled)
-    sys.stdout.write(format_table(data) + "\n")
+    sys.stdout.write(format_table(data) + "\n\n" + format_goals(data) + "\n")
     return 0
 
 

@@ -167,3 +167,13 @@ def test_a_run_that_fails_in_its_second_model_keeps_the_first(probe_model_dir, c
     with pytest.raises(ValueError, match="nothing to measure"):
         run(None, None, new_tokens=4, rounds=1, bandwidth_mib=16, bandwidth_reps=2, calibration_dir=None,
             out=out, plot=None)
+
+
+def test_the_result_carries_its_goals_derived_from_its_rows(speed_result):
+    from bench.speed_goals import GOALS, goals_summary
+
+    data, _ = speed_result
+    assert [entry["goal"] for entry in data["goals"]] == [goal.key for goal in GOALS]
+    assert data["goals"] == goals_summary(data)
+    checked = {(check["model"], check["run"]) for entry in data["goals"] for check in entry["checks"]}
+    assert checked == {(row["model"], row["run"]) for row in data["rows"] if row["run"] != "plain"}
