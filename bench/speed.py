@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench.speed_goals import format_goals, goals_summary
+from bench.speed_goals import bandwidth_goal, format_goals, goals_summary
 
 logger = logging.getLogger("prunewatch.bench.speed")
 
@@ -429,6 +429,11 @@ def write_plot(result: dict, path: Path) -> None:
         axis.set_title(title, fontsize=10)
         axis.legend(fontsize=8)
     right.axhline(100, color="grey", lw=0.8, ls="--")
+    for j, model in enumerate(models):  # the share of the bandwidth each model's engine runs are held to
+        target = bandwidth_goal(result, model)
+        right.hlines(100 * target, j - 0.45, j + 0.45, color="red", linestyles=":", linewidth=1.5,
+                     label="goal" if j == 0 else None)
+    right.legend(fontsize=8)
     threads = result['machine']['torch_threads']
     fig.suptitle(f"decode speed, {result['machine']['processor']}, {threads} thread{'' if threads == 1 else 's'}, "
                  f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s", fontsize=10)
@@ -513,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip the compiled decode runs (each graph compiles for about a minute first)")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON",
-                        help="measure nothing: print the table and the goals of a result written before")
+                        help="measure nothing: print the table and the goals of a result written before "
+                             "(and draw its plot to --plot, when given)")
     args = parser.parse_args(argv)
     if args.report is not None:
         try:
@@ -521,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
             report = format_table(data) + "\n\n" + format_goals(data)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             parser.error(f"--report {args.report}: not a readable `bench speed` result ({type(exc).__name__}: {exc})")
+        if args.plot is not None:
+            write_plot(data, args.plot)
         sys.stdout.write(report + "\n")
         return 0
     if args.tokens < 3 or args.rounds < 1:

@@ -69,6 +69,13 @@ def _is_real(result: dict, model: str) -> bool:
     return result.get("models", {}).get(model, {}).get("weights") == "real weights"
 
 
+def bandwidth_goal(result: dict, model: str, goals: Sequence[Goal] = GOALS) -> float:
+    """The share of the read bandwidth `model`'s engine runs are held to (the real model's or the shape's)."""
+    real = _is_real(result, model)
+    return next(goal.target for goal in goals
+                if goal.key in ("real_model_bandwidth", "shape_bandwidth") and goal.real_model == real)
+
+
 def check_goals(result: dict, goals: Sequence[Goal] = GOALS) -> list[GoalCheck]:
     """Every goal against every run of every model it applies to, under each of its estimators."""
     checks = []

@@ -8,7 +8,14 @@ import json
 import pytest
 
 from bench.speed import main
-from bench.speed_goals import GOALS, check_goals, format_goals, goals_summary, verdict
+from bench.speed_goals import (
+    GOALS,
+    bandwidth_goal,
+    check_goals,
+    format_goals,
+    goals_summary,
+    verdict,
+)
 
 REAL, SHAPE = "SmolLM2-135M-Instruct", "llama-0.67B-random"
 
@@ -110,10 +117,14 @@ def test_report_prints_a_stored_result_and_refuses_what_is_not_one(tmp_path, cap
     for row in result["rows"]:  # what format_table needs besides the goals' figures
         row.update(tokens_per_s=10.0, tokens_per_s_min=9.0, tokens_per_s_max=11.0, bytes_per_token=5_000_000)
     result.update(bandwidth_gb_s=18.0, bandwidth_gb_s_median=14.0, bandwidth_reps=[14.0, 18.0])
+    result["machine"] = {"processor": "x86_64", "torch_threads": 1}
     path.write_text(json.dumps(result))
     assert main(["--report", str(path)]) == 0
     out = capsys.readouterr().out
     assert "read bandwidth 18.0 GB/s" in out and "PARTLY MET" in out and f"{SHAPE} pruned-compiled" in out
+    assert not list(tmp_path.glob("*.png"))  # a report draws nothing unless asked
+    assert main(["--report", str(path), "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 0
     for bad in ("[1]", "{not json", json.dumps({"rows": [{"model": REAL}]})):
         path.write_text(bad)
         with pytest.raises(SystemExit) as stop:
@@ -123,3 +134,9 @@ def test_report_prints_a_stored_result_and_refuses_what_is_not_one(tmp_path, cap
     with pytest.raises(SystemExit) as stop:
         main(["--report", str(tmp_path / "missing.json")])
     assert stop.value.code == 2
+
+
+def test_each_model_is_held_to_its_own_share_of_the_bandwidth():
+    result = _result()
+    assert bandwidth_goal(result, REAL) == 0.50
+    assert bandwidth_goal(result, SHAPE) == 0.70
