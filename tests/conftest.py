@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
+from engine.sparse.kernel import CACHE_ENV, cache_dir
 from tests.support.servers import postgres_available, postgres_server
+
+# Processes a test starts with a fresh HOME (for a fresh calibration cache) still find the sparse kernel
+# that `make kernels` built instead of compiling it again (~50 s each here); the tests about building it
+# point CACHE_ENV elsewhere themselves.
+os.environ.setdefault(CACHE_ENV, str(cache_dir().parents[1]))
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROBE_MODEL_DIR = REPO_ROOT / "engine" / "models" / "probe-llama"
