@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench.speed_goals import bandwidth_goal, format_goals, goals_summary
+from bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
 
 logger = logging.getLogger("prunewatch.bench.speed")
 
@@ -212,7 +212,7 @@ def _load_real(model_dir: Path, calibration_dir: Path | None, device: str = "cpu
     probe_set = load_probes()
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.loaded.dtype).to(engine.loaded.device).eval()
-    return _Subject(model_dir.name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, "real weights"))
+    return _Subject(model_dir.name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, REAL_WEIGHTS))
 
 
 def _load_shape(shape, calibration_dir: Path, seed: int = 0, texts_per_domain: int = 2, device: str = "cpu") -> _Subject:
@@ -525,10 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             data = json.loads(args.report.read_text())
             report = format_table(data) + "\n\n" + format_goals(data)
+            if args.plot is not None:
+                write_plot(data, args.plot)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             parser.error(f"--report {args.report}: not a readable `bench speed` result ({type(exc).__name__}: {exc})")
-        if args.plot is not None:
-            write_plot(data, args.plot)
         sys.stdout.write(report + "\n")
         return 0
     if args.tokens < 3 or args.rounds < 1:

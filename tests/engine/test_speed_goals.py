@@ -10,6 +10,7 @@ import pytest
 from bench.speed import main
 from bench.speed_goals import (
     GOALS,
+    REAL_WEIGHTS,
     bandwidth_goal,
     check_goals,
     format_goals,
@@ -26,7 +27,7 @@ def _row(model: str, run: str, **figures) -> dict:
 
 def _result(real_dense_within: float = 1.01, shape_paired: float = 0.8) -> dict:
     """A result with every figure the goals read; the defaults meet some goals and miss others."""
-    real = {"weights": "real weights"}
+    real = {"weights": REAL_WEIGHTS}
     shape = {"weights": "random (seed 0)"}
     rows = [
         _row(REAL, "plain", speedup_vs_plain=1.0, speedup_vs_plain_paired=1.0, fraction_of_bandwidth=0.40,
@@ -125,6 +126,11 @@ def test_report_prints_a_stored_result_and_refuses_what_is_not_one(tmp_path, cap
     assert not list(tmp_path.glob("*.png"))  # a report draws nothing unless asked
     assert main(["--report", str(path), "--plot", str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").stat().st_size > 0
+    del result["machine"]  # the table and goals need no machine facts, the plot's title does
+    path.write_text(json.dumps(result))
+    with pytest.raises(SystemExit) as stop:
+        main(["--report", str(path), "--plot", str(tmp_path / "no-machine.png")])
+    assert stop.value.code == 2 and "KeyError" in capsys.readouterr().err
     for bad in ("[1]", "{not json", json.dumps({"rows": [{"model": REAL}]})):
         path.write_text(bad)
         with pytest.raises(SystemExit) as stop:
