@@ -21,7 +21,9 @@ pruned runs the fraction of the bound 1 / (1 - s f) it reaches (f: share of a de
 bytes in the layers that ran sparse, the output head included when it had a target; s: share of
 those bytes the step did not read, from the ledger; so s f is the share of the dense step's bytes
 skipped). Speedups come twice: as the ratio of two medians, and within rounds (the median over rounds of
-the ratio between the two runs of one round, which a load slowing the whole round cancels). Writes JSON
+the ratio between the two runs of one round, which a load slowing the whole round cancels). Where a
+step's time goes: the step's weight products replayed alone (bench.step_products) against the rest of
+the step, and for pruned runs the products' own speedup over the bound. Writes JSON
 and a PNG plot; prints a table and the goals the result is held to (bench.speed_goals: every run under
 every estimator, with a verdict per goal). `--report FILE` prints both for a result written before.
 Tests never assert timings: tests/engine/test_speed_bench.py checks structure on the probe model.
@@ -30,6 +32,7 @@ Tests never assert timings: tests/engine/test_speed_bench.py checks structure on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -45,6 +48,7 @@ from pathlib import Path
 import torch
 
 from bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
+from bench.step_products import capture_step, median_ms, replay, time_replays
 
 logger = logging.getLogger("prunewatch.bench.speed")
 
@@ -96,6 +100,15 @@ class RunRow:
     speedup_vs_plain_paired: float | None = None
     speedup_vs_dense_paired: float | None = None
     fraction_of_bound_paired: float | None = None
+    # Where a step's time goes (bench.step_products): the weight products of one real decode step of this
+    # plan replayed alone (the same modules on the inputs they received, eager module calls; compiled runs
+    # share their eager run's), median over replays; the rest is the median step's time minus them: norms,
+    # attention, cache, Python or guards, which skipping rows does not shorten. For pruned runs the
+    # products' speedup against the dense step's products, and that over the bound.
+    products_ms_per_token: float | None = None
+    rest_ms_per_token: float | None = None
+    products_speedup_vs_dense: float | None = None
+    products_fraction_of_bound: float | None = None
 
 
 @dataclass
@@ -299,6 +312,8 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             samples.append(before)
         logger.info("%s round %d: %s (load %.1f)", subject.name, r + 1,
                     {k: round(v[-1], 2) for k, v in rates.items()}, os.getloadavg()[0])
+    products_ms = step_products_ms(subject, plan)
+    logger.info("%s weight products per step: %s ms", subject.name, {k: round(v, 2) for k, v in products_ms.items()})
     steps = new_tokens - 1
     if "dense-compiled" in ledgers and ledgers["dense-compiled"].decode_bytes_read != ledgers["dense"].decode_bytes_read:
         raise RuntimeError(f"{subject.name}: the compiled dense step counted {ledgers['dense-compiled'].decode_bytes_read} "
@@ -338,11 +353,44 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             row.fraction_of_bound_paired = round(within_rounds / bound, 4)
             row.decode_pruning_ratio = round(pruned.decode_pruning_ratio, 6)
             row.fallback = fallback
+        eager_name = name.removesuffix("-compiled")
+        row.products_ms_per_token = round(products_ms[eager_name], 3)
+        row.rest_ms_per_token = round(1e3 / medians[name] - products_ms[eager_name], 3)
+        if pruned is not None:
+            row.products_speedup_vs_dense = round(products_ms["dense"] / products_ms["pruned"], 4)
+            row.products_fraction_of_bound = round(row.products_speedup_vs_dense / row.bound, 4)
         if name.endswith("-compiled"):
             eager = tokens[name.removesuffix("-compiled")]
             row.agreement_with_eager = round(sum(a == b for a, b in zip(tokens[name], eager)) / len(eager), 4)
         rows.append(row)
     return rows, samples
+
+
+def step_products_ms(subject: _Subject, plan, reps: int = 15) -> dict[str, float]:
+    """Milliseconds of one decode step's weight products, replayed alone (bench.step_products), for plain
+    transformers, the engine's dense step and its step under `plan`; each replay is first checked to
+    reproduce the outputs its step computed, so what is timed is the step's work."""
+    from engine.execution import ExecutionLedger, ExecutionPlan, executing
+
+    engine, dense = subject.engine, ExecutionPlan()
+    model = engine.loaded.model
+    captured = {
+        "plain": capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3)),
+        "dense": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, dense, 3, compiled=False)),
+        "pruned": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, plan, 3, compiled=False)),
+    }
+    contexts = {"plain": contextlib.nullcontext, "dense": lambda: executing(dense, ExecutionLedger()),
+                "pruned": lambda: executing(plan, ExecutionLedger())}
+    for name, products in captured.items():
+        for (module, _), step_output, replayed in zip(products.calls, products.outputs,
+                                                      replay(products, contexts[name])):
+            if not torch.allclose(replayed, step_output, rtol=1e-4, atol=1e-5):
+                raise RuntimeError(f"{subject.name} {name}: replaying {type(module).__name__} did not reproduce "
+                                   "the step's output")
+    device = engine.loaded.device
+    times = time_replays(list(captured.values()), [contexts[name] for name in captured], reps,
+                         lambda: _synchronize(device))
+    return {name: median_ms(seconds) for name, seconds in zip(captured, times)}
 
 
 def paired_ratio(rates: Sequence[float], baseline: Sequence[float]) -> float:
@@ -383,7 +431,7 @@ def format_table(result: dict) -> str:
     columns = f"{'model':<28} {'run':<15} {'tok/s':>8} {'min-max':>13} {'MB/token':>9} {'of BW':>6} {'best':>6} " \
               f"{'paired':>6} " \
               f"{'vs plain':>8} {'paired':>7} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'paired':>7} " \
-              f"{'of bound':>8} {'paired':>7} {'=eager':>6}"
+              f"{'of bound':>8} {'paired':>7} {'=eager':>6} {'prod ms':>7} {'rest ms':>7} {'prod/bound':>10}"
     lines = [head + columns, "-" * len(columns)]
     for row in result["rows"]:
         def opt(key: str, fmt: str, row: dict = row) -> str:
@@ -397,7 +445,8 @@ def format_table(result: dict) -> str:
             f"{opt('decode_sparsity', '.3f'):>6} {opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} "
             f"{opt('speedup_vs_dense', '.3f'):>8} {opt('speedup_vs_dense_paired', '.3f'):>7} "
             f"{opt('fraction_of_bound', '.3f'):>8} {opt('fraction_of_bound_paired', '.3f'):>7} "
-            f"{opt('agreement_with_eager', '.3f'):>6}")
+            f"{opt('agreement_with_eager', '.3f'):>6} {opt('products_ms_per_token', '.1f'):>7} "
+            f"{opt('rest_ms_per_token', '.1f'):>7} {opt('products_fraction_of_bound', '.3f'):>10}")
     return "\n".join(lines)
 
 
@@ -409,7 +458,9 @@ def write_plot(result: dict, path: Path) -> None:
 
     models = list(dict.fromkeys(row["model"] for row in result["rows"]))
     runs = list(dict.fromkeys(row["run"] for row in result["rows"]))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
+    breakdown = all(row.get("products_ms_per_token") is not None for row in result["rows"])  # not before it existed
+    fig, axes = plt.subplots(1, 3 if breakdown else 2, figsize=(18 if breakdown else 12, 4.4))
+    left, right = axes[0], axes[1]
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
         rows = [next(r for r in result["rows"] if r["model"] == m and r["run"] == run) for m in models]
@@ -434,6 +485,8 @@ def write_plot(result: dict, path: Path) -> None:
         right.hlines(100 * target, j - 0.45, j + 0.45, color="red", linestyles=":", linewidth=1.5,
                      label="goal" if j == 0 else None)
     right.legend(fontsize=8)
+    if breakdown:
+        _plot_breakdown(axes[2], result, models, runs, width)
     threads = result['machine']['torch_threads']
     fig.suptitle(f"decode speed, {result['machine']['processor']}, {threads} thread{'' if threads == 1 else 's'}, "
                  f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s", fontsize=10)
@@ -441,6 +494,25 @@ def write_plot(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_breakdown(axis, result: dict, models: list[str], runs: list[str], width: float) -> None:
+    """Each run's step time over the engine's dense eager step of the same model: the weight products
+    replayed alone (solid) and the rest of the step (light), which skipping rows does not shorten."""
+    colors = [f"C{i}" for i in range(len(runs))]
+    for i, run in enumerate(runs):
+        rows = [next(r for r in result["rows"] if r["model"] == m and r["run"] == run) for m in models]
+        dense_ms = [1e3 / next(r for r in result["rows"] if r["model"] == m and r["run"] == "dense")["tokens_per_s"]
+                    for m in models]
+        x = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(models))]
+        products = [r["products_ms_per_token"] / d for r, d in zip(rows, dense_ms)]
+        rest = [max(0.0, r["rest_ms_per_token"]) / d for r, d in zip(rows, dense_ms)]
+        axis.bar(x, products, width, color=colors[i], label=run)
+        axis.bar(x, rest, width, bottom=products, color=colors[i], alpha=0.35)
+    axis.axhline(1.0, color="grey", lw=0.8, ls="--")
+    axis.set_xticks(range(len(models)), models, fontsize=8)
+    axis.set_title("step time / engine dense eager step: products replayed alone (solid), rest (light)", fontsize=9)
+    axis.legend(fontsize=8)
 
 
 def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidth_mib: int, bandwidth_reps: int,

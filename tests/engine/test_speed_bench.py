@@ -65,7 +65,7 @@ def test_speed_bench_figures_are_consistent(speed_result):
         s, f = pruned["decode_sparsity"], pruned["pruneable_share"]
         assert 0.0 <= s < 1.0 and 0.0 <= f <= 1.0
         assert pruned["bound"] == pytest.approx(1.0 / (1.0 - s * f), abs=1e-3)
-        assert pruned["fraction_of_bound"] == pytest.approx(pruned["speedup_vs_dense"] / pruned["bound"], abs=1e-3)
+        assert pruned["fraction_of_bound"] == pytest.approx(pruned["speedup_vs_dense"] / pruned["bound"], rel=1e-3)
         if pruned["fallback"] is None and s > 0:
             assert pruned["bytes_per_token"] < dense["bytes_per_token"]
         # The within-round speedups: from the stored rounds, against the run of the same round.
@@ -76,9 +76,23 @@ def test_speed_bench_figures_are_consistent(speed_result):
                 assert row["speedup_vs_dense_paired"] == pytest.approx(
                     row["rounds"][0] / baseline["rounds"][0], rel=1e-3)
                 assert row["fraction_of_bound_paired"] == pytest.approx(
-                    row["speedup_vs_dense_paired"] / row["bound"], abs=1e-3)
+                    row["speedup_vs_dense_paired"] / row["bound"], rel=1e-3)
             else:
                 assert row["speedup_vs_dense_paired"] is None and row["fraction_of_bound_paired"] is None
+        # Where the step's time goes: products replayed alone, the rest from the run's own median step.
+        for name, row in rows.items():
+            eager = rows[name.removesuffix("-compiled")]
+            assert row["products_ms_per_token"] == eager["products_ms_per_token"] > 0
+            step_ms = 1e3 / row["tokens_per_s"]  # tokens/s is stored to 3 decimals: the step's ms to about this
+            assert row["rest_ms_per_token"] == pytest.approx(step_ms - row["products_ms_per_token"],
+                                                             abs=2e-3 + step_ms * 1e-3 / row["tokens_per_s"])
+            if name.startswith("pruned"):
+                assert row["products_speedup_vs_dense"] == pytest.approx(
+                    dense["products_ms_per_token"] / row["products_ms_per_token"], rel=1e-3)
+                assert row["products_fraction_of_bound"] == pytest.approx(
+                    row["products_speedup_vs_dense"] / row["bound"], rel=1e-3)
+            else:
+                assert row["products_speedup_vs_dense"] is None and row["products_fraction_of_bound"] is None
 
 
 def test_paired_ratio_cancels_what_slowed_a_whole_round():
@@ -100,7 +114,19 @@ def test_a_result_without_within_round_speedups_shows_none(speed_result):
         del row["speedup_vs_plain_paired"], row["speedup_vs_dense_paired"], row["fraction_of_bound_paired"]
     for line in format_table(older).splitlines()[3:]:
         fields = line.split()
-        assert fields[9] == "-" and fields[-2] == "-"  # vs plain's and of bound's within-round columns
+        assert fields[9] == "-" and fields[-5] == "-"  # vs plain's and of bound's within-round columns
+
+
+def test_a_result_without_the_step_breakdown_shows_none(speed_result):
+    data, _ = speed_result
+    older = json.loads(json.dumps(data))  # as results written before the products were replayed
+    for row in older["rows"]:
+        for key in ("products_ms_per_token", "rest_ms_per_token", "products_speedup_vs_dense",
+                    "products_fraction_of_bound"):
+            del row[key]
+    for line, now in zip(format_table(older).splitlines()[3:], format_table(data).splitlines()[3:], strict=True):
+        assert line.split()[-3:] == ["-", "-", "-"]
+        assert now.split()[-3] != "-" and now.split()[-2] != "-"  # products and rest, for every run
 
 
 def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):

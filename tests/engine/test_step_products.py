@@ -1,0 +1,82 @@
+"""bench/step_products.py on the probe model: the replay is one real decode step's products, the same
+modules on the same inputs under the same plan, and it reproduces what the step computed."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from bench.speed import _load_real, plain_decode_rate
+from bench.step_products import capture_step, product_modules, replay, time_replays
+from engine.execution import ExecutionLedger, ExecutionPlan, executing
+from engine.sparse.module import SparseLinear
+from engine.sparse.output_head import ShortlistHead
+
+
+@pytest.fixture(scope="module")
+def subject(probe_model_dir, calibration_dir):
+    """The speed bench's subject: the engine at its defaults (activation sparsity, head shortlist) and
+    plain transformers on the same weights."""
+    return _load_real(probe_model_dir, calibration_dir)
+
+
+@pytest.fixture(scope="module")
+def default_plan(subject):
+    engine = subject.engine
+    plan = engine.execution_plan(subject.prompt_ids, engine.settings.sensitivity, list(engine.settings.layer_blacklist))
+    assert any(t > 0 for t in plan.layer_sparsity) and plan.output_head_sparsity > 0  # the defaults prune here
+    return plan
+
+
+def test_plain_step_is_one_call_of_every_linear_reproduced_exactly(subject):
+    products = capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3))
+    linears = product_modules(subject.plain)
+    assert all(isinstance(m, torch.nn.Linear) for m in linears)
+    assert [id(m) for m, _ in products.calls] == [id(m) for m in linears]  # model order, each once
+    assert all(x.numel() == x.shape[-1] for _, x in products.calls)
+    for replayed, output in zip(replay(products), products.outputs, strict=True):
+        assert torch.equal(replayed, output)
+
+
+def test_engine_step_replays_the_wrappers_under_the_plan(subject, default_plan):
+    engine = subject.engine
+    products = capture_step(engine.loaded.model,
+                            lambda: engine.measure_decode(subject.prompt_ids, default_plan, 3, compiled=False))
+    kinds = {type(m) for m, _ in products.calls}
+    assert SparseLinear in kinds and ShortlistHead in kinds  # wrappers, not the linears inside them
+    assert not any(isinstance(m, torch.nn.Linear) and any(m is w.linear for w, _ in products.calls)
+                   for m, _ in products.calls)
+    with_plan = replay(products, lambda: executing(default_plan, ExecutionLedger()))
+    for replayed, output in zip(with_plan, products.outputs, strict=True):
+        assert torch.equal(replayed, output)
+    # Without the plan in force the wrappers compute dense: the replay differs where the step skipped work,
+    # so a replay that equals the step did apply its plan.
+    dense = replay(products)
+    assert any(not torch.equal(a, b) for a, b in zip(dense, products.outputs, strict=True))
+    dense_step = capture_step(engine.loaded.model,
+                              lambda: engine.measure_decode(subject.prompt_ids, ExecutionPlan(), 3, compiled=False))
+    assert [id(m) for m, _ in dense_step.calls] == [id(m) for m, _ in products.calls]
+
+
+def test_a_decode_without_single_row_steps_is_refused(subject):
+    with pytest.raises(ValueError, match="not one call per module"):
+        capture_step(subject.plain, lambda: None)
+
+
+def test_replays_are_timed_alternately_per_step(subject):
+    products = capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3))
+    calls: list[str] = []
+
+    def context(name: str):
+        def enter():
+            calls.append(name)
+            return contextlib.nullcontext()
+        return enter
+
+    times = time_replays([products, products], [context("a"), context("b")], reps=3)
+    assert [len(t) for t in times] == [3, 3] and all(s > 0 for t in times for s in t)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    with pytest.raises(ValueError, match="contexts"):
+        time_replays([products], [], reps=1)
