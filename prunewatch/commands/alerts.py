@@ -98,7 +98,10 @@ def eval_command(
     from alerts.embedded import EmbeddedAlerting
     from alerts.ruleset import RuleFileError
     from alerts.settings import AlertingSettings
-    from records.store import StoreUnavailableError, connect, safe_url
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from records.store import StoreUnavailableError, connect_existing, safe_url
 
     try:
         when = datetime.fromisoformat(at) if at else datetime.now(timezone.utc)
@@ -107,14 +110,19 @@ def eval_command(
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
     try:
-        engine = connect(db)
+        engine = connect_existing(db)
     except StoreUnavailableError as exc:
         raise fail(str(exc))
     try:
+        if not inspect(engine).has_table("probe_results"):
+            raise fail(f"store {safe_url(db)} has no probe results table; run the collector (`prunewatch run` or "
+                       "`prunewatch collect`) or `prunewatch db upgrade` first")
         alerting = EmbeddedAlerting(AlertingSettings(rules_path=rules, state_path=None), engine)
         evaluation = alerting.evaluate(when)
     except RuleFileError as exc:
         raise fail(str(exc))
+    except SQLAlchemyError as exc:
+        raise fail(f"cannot read the store {safe_url(db)}: {str(exc).splitlines()[0]}")
     finally:
         engine.dispose()
     typer.echo(f"store {safe_url(db)}")

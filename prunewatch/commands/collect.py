@@ -110,7 +110,7 @@ def db_prune_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
 ) -> None:
     """Retention: delete probe results (and emptied rounds) and superseded governor decisions older than the given age."""
-    from records.store import StoreUnavailableError, connect
+    from records.store import StoreUnavailableError, connect_existing
     from records.store.migrate import is_current
     from records.store.retention import parse_age, prune_older_than
 
@@ -119,7 +119,7 @@ def db_prune_command(
     except ValueError as exc:
         raise fail(f"--older-than: {exc}")
     try:
-        engine = connect(db)
+        engine = connect_existing(db)
         if not is_current(engine):
             raise fail(f"store {safe_url(db)} is not migrated to the current schema; run `prunewatch db upgrade`")
         report = prune_older_than(engine, age, dry_run=dry_run)

@@ -20,17 +20,11 @@ def status_command(
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.orm import Session
 
-    from records.store import StoreUnavailableError, safe_url
-    from records.store.database import sqlite_file
+    from records.store import StoreUnavailableError, connect_existing, safe_url
     from records.store.governor import GovernorRepository
 
-    path = sqlite_file(db)
-    if path is not None and not path.exists():
-        raise fail(f"no store at {safe_url(db)} (the SQLite file does not exist)")
     try:
-        from records.store import connect
-
-        engine = connect(db)
+        engine = connect_existing(db)
         if "governor_decisions" not in inspect(engine).get_table_names():
             raise fail(f"store {safe_url(db)} has no governor decisions table; run `prunewatch db upgrade --db ...`")
         with Session(engine) as session:

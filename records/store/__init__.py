@@ -3,6 +3,7 @@
 from records.store.database import (
            StoreUnavailableError,
            connect,
+           connect_existing,
            connect_without_writing,
            safe_url,
 )
@@ -10,5 +11,5 @@ from records.store.migrate import create_schema, head_revision, upgrade
 from records.store.repository import ResultRepository
 from records.store.retention import parse_age, prune_older_than
 
-__all__ = ["ResultRepository", "StoreUnavailableError", "connect", "connect_without_writing", "create_schema",
+__all__ = ["ResultRepository", "StoreUnavailableError", "connect", "connect_existing", "connect_without_writing", "create_schema",
            "head_revision", "parse_age", "prune_older_than", "upgrade", "safe_url"]

@@ -69,6 +69,19 @@ def sqlite_file(url: str) -> Path | None:
     return Path(parsed.database)
 
 
+def connect_existing(url: str) -> Engine:
+    """An Engine on a store that already exists, for commands that only read or prune one.
+
+    Why: connecting to a SQLite file that does not exist creates it, so a mistyped path would leave an
+    empty file behind and the command would fail later on a missing table; here it fails first, and
+    nothing is written. Server databases are checked with one round trip, as `connect` does.
+    """
+    path = sqlite_file(url)
+    if path is not None and not path.is_file():
+        raise StoreUnavailableError(f"no store at {safe_url(url)} (the SQLite file does not exist)")
+    return connect(url)
+
+
 def connect_without_writing(url: str) -> Engine:
     """An Engine for `url`, checked as far as that is possible without creating or writing anything.
 

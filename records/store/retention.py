@@ -21,6 +21,7 @@ from records.store.models import GovernorDecisionRow, ProbeResultRow, RoundRow
 
 _UNITS = {"m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 _DURATION = re.compile(r"^\s*(\d+)\s*([mhdw])\s*$")
+MAX_AGE = timedelta(days=36_500)  # a century: older than any store
 
 
 def parse_age(text: str) -> timedelta:
@@ -28,7 +29,10 @@ def parse_age(text: str) -> timedelta:
     match = _DURATION.match(text or "")
     if not match or int(match.group(1)) == 0:
         raise ValueError(f"expected a positive age like 90d, 12h, 30m or 2w, got {text!r}")
-    return timedelta(seconds=int(match.group(1)) * _UNITS[match.group(2)])
+    seconds = int(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > MAX_AGE.total_seconds():  # a cut-off before year 1 cannot be computed
+        raise ValueError(f"{text.strip()!r} is longer than the longest age accepted, {MAX_AGE.days} days")
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,3 +70,18 @@ def test_eval_shows_alerts_whose_condition_holds(runner: CliRunner, store, tmp_p
     assert "0.6" in done.output
     bad = runner.invoke(app, ["eval", "--db", url, "--at", "yesterday"])
     assert bad.exit_code == 2 and "is not an ISO 8601 time" in bad.output
+
+
+def test_eval_refuses_a_store_that_is_not_there_or_empty_and_writes_nothing(runner: CliRunner, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    done = runner.invoke(app, ["eval", "--db", f"sqlite:///{missing}"])
+    assert done.exit_code == 2
+    assert done.output.strip() == f"error: no store at sqlite:///{missing} (the SQLite file does not exist)"
+    assert not missing.exists()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    done = runner.invoke(app, ["eval", "--db", f"sqlite:///{empty}"])
+    assert done.exit_code == 2 and len(done.output.strip().splitlines()) == 1
+    assert done.output.startswith(f"error: store sqlite:///{empty} has no probe results table;")
+    with sqlite3.connect(empty) as connection:  # the evaluation created nothing in it
+        assert connection.execute("SELECT name FROM sqlite_master").fetchall() == []

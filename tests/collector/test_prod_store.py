@@ -219,6 +219,13 @@ def test_parse_age_rejects(bad):
         parse_age(bad)
 
 
+def test_parse_age_accepts_a_century_and_no_more():
+    assert parse_age("36500d").days == 36_500 and parse_age("5214w").days == 36_498
+    for too_long in ("36501d", "5215w", "876001h", "99999999999999999999m"):
+        with pytest.raises(ValueError, match="longer than the longest age accepted, 36500 days"):
+            parse_age(too_long)
+
+
 def cli() -> typer.Typer:
     app = typer.Typer()
     db = typer.Typer()
@@ -254,6 +261,14 @@ def test_db_commands_bad_input(tmp_path):
     assert bad_age.exit_code == 2
     assert bad_age.output.strip() == ("error: --older-than: expected a positive age like 90d, 12h, 30m or 2w, "
                                       "got 'ninety days'")
+    too_old = runner.invoke(cli(), ["db", "prune", "--older-than", "99999999d", "--db", f"sqlite:///{tmp_path}/x.db"])
+    assert too_old.exit_code == 2
+    assert too_old.output.strip() == "error: --older-than: '99999999d' is longer than the longest age accepted, 36500 days"
+    missing = runner.invoke(cli(), ["db", "prune", "--older-than", "90d", "--db", f"sqlite:///{tmp_path}/x.db"])
+    assert missing.exit_code == 2
+    assert missing.output.strip() == f"error: no store at sqlite:///{tmp_path}/x.db (the SQLite file does not exist)"
+    assert not (tmp_path / "x.db").exists()  # a mistyped path leaves nothing behind
+    (tmp_path / "x.db").touch()
     unmigrated = runner.invoke(cli(), ["db", "prune", "--older-than", "90d", "--db", f"sqlite:///{tmp_path}/x.db"])
     assert unmigrated.exit_code == 2 and "is not migrated to the current schema; run `prunewatch db upgrade`" in unmigrated.output
     down = runner.invoke(cli(), ["db", "upgrade", "--db", "postgresql+psycopg://u:secret@127.0.0.1:9/x"])
