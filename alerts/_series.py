@@ -34,7 +34,9 @@ NAME = "__name__"
 
 
 def labels_of(**values: str) -> Labels:
-    return tuple(sorted(values.items()))
+    """A series' labels; an empty value is no label, as in Prometheus (an engine's own live traffic has
+    target="" and groups apart from every probed target, under no target label)."""
+    return tuple(sorted((name, value) for name, value in values.items() if value != ""))
 
 
 @dataclass

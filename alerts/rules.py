@@ -40,6 +40,9 @@ HEADER = (
 )
 
 RUNBOOK = "Run `prunewatch doctor` on the collector host"
+RUNBOOK_TARGET = ("Run `prunewatch doctor --config <targets file> --target {{ $labels.target }}` on the collector host "
+                  "(an alert without a target label is about an engine's own live traffic)")
+"""The runbook's first step for alerts grouped per target, model and domain: the doctor of that target."""
 
 RECORDING_RULES: tuple[tuple[str, str], ...] = (
     ("prunewatch:pruning_ratio_avg:24h", PROMQL_RATIO_AVG_24H),
@@ -108,19 +111,19 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
             f"24 h average pruning ratio is {_value('%.3f')} (measured by the engine, averaged over the domain's "
             f"probes), under the configured floor {low} for at least {format_duration(s.ratio_low_for)}: pruning "
             f"saves little work for this domain. {low_origin}",
-            f"{RUNBOOK}, then compare the domain's calibration heatmap with the prompts it now serves."),
+            f"{RUNBOOK_TARGET}, then compare the domain's calibration heatmap with the prompts it now serves."),
         AlertSpec(
             "PruningRatioQualityRisk", compare(PROMQL_RATIO_BY_DOMAIN, ">", s.quality_red_line), risk_for,
             "warning", f"Pruning ratio of {WHERE} above the red line {red}",
             f"Pruning ratio is {_value('%.3f')} ({ratio_source}), above the configured red line {red} for "
             f"{risk_for}. {red_origin}",
-            f"{RUNBOOK}, then lower the pruning sensitivity for this domain before quality drops."),
+            f"{RUNBOOK_TARGET}, then lower the pruning sensitivity for this domain before quality drops."),
         AlertSpec(
             "PruningRatioQualityRisk", compare(PROMQL_RATIO_BY_DOMAIN, ">", s.quality_risk_ratio), risk_for,
             "critical", f"Pruning ratio of {WHERE} above {risk}: answer quality at risk",
             f"Pruning ratio is {_value('%.3f')} ({ratio_source}), above the configured quality limit {risk} for "
             f"{risk_for} {risk_origin}.",
-            f"{RUNBOOK}, then lower the pruning sensitivity for this domain and check token agreement."),
+            f"{RUNBOOK_TARGET}, then lower the pruning sensitivity for this domain and check token agreement."),
         AlertSpec(
             "QualityAgreementLow", compare(PROMQL_AGREEMENT_AVG_1H, "<", s.agreement_floor),
             format_duration(s.agreement_for), "warning",
@@ -128,20 +131,20 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
             f"1 h average token agreement with the dense model is {_value('%.3f')} (measured: teacher-forced "
             f"argmax match rate), under the configured floor {s.agreement_floor:g} for "
             f"{format_duration(s.agreement_for)}.",
-            f"{RUNBOOK}, then compare the pruned and dense answers of this domain's probes."),
+            f"{RUNBOOK_TARGET}, then compare the pruned and dense answers of this domain's probes."),
         AlertSpec(
             "LatencySLOBreached", compare(PROMQL_LATENCY_P99, ">", s.latency_slo_s), format_duration(s.latency_slo_for),
             "critical", f"p99 inference latency of {WHERE} above the {s.latency_slo_s:g} s SLO",
             f"p99 inference latency is {_value('%.2f')} s (estimated by histogram_quantile from the latency "
             f"histogram's buckets over 5m), above the configured SLO {s.latency_slo_s:g} s for "
             f"{format_duration(s.latency_slo_for)}.",
-            f"{RUNBOOK}, then check the engine's host load and the phase latencies (preprocessing, decode)."),
+            f"{RUNBOOK_TARGET}, then check the engine's host load and the phase latencies (preprocessing, decode)."),
         AlertSpec(
             "ProbeFailing", compare(PROMQL_FAILURE_RATE, ">", s.failure_rate_max), format_duration(s.probe_failing_for),
             "critical", f"Probes failing for {WHERE}",
             f"{_value('%.2f')} of probe results failed over the last 15m (measured share), above the configured "
             f"{s.failure_rate_max:g} for {format_duration(s.probe_failing_for)}.",
-            f"{RUNBOOK}, then read the failure reasons in the collector log (timeout, engine_error, unreachable)."),
+            f"{RUNBOOK_TARGET}, then read the failure reasons in the collector log (timeout, engine_error, unreachable)."),
         AlertSpec(
             "ProbeDataAbsent", promql_results_absent(format_duration(s.absent_for)), None, "critical",
             f"No probe results for {format_duration(s.absent_for)}",

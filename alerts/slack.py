@@ -21,11 +21,13 @@ logger = logging.getLogger("prunewatch.alerts")
 
 
 def slack_title(status: str, labels: dict[str, str], firing_count: int = 1) -> str:
-    """`[FIRING:1] Name (severity) on model/domain`, as alertmanager.yml's title template writes it."""
+    """`[FIRING:1] Name (severity) on model/domain at target`, as alertmanager.yml's title template writes it."""
     head = f"[{status.upper()}:{firing_count}]" if status == "firing" else f"[{status.upper()}]"
     title = f"{head} {labels.get('alertname', '')} ({labels.get('severity', '')})"
     if labels.get("model"):
         title += f" on {labels['model']}/{labels.get('domain', '')}"
+    if labels.get("target"):
+        title += f" at {labels['target']}"
     return title
 
 

@@ -41,7 +41,7 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         "Inference latency p50 / p99 (estimated from histogram buckets)",
         "Quantiles of prefill + decode time over 5 minutes, interpolated by histogram_quantile within the "
         "collector's buckets (0.1 s to 5 s); the p99 is the recorded series the latency-SLO alert evaluates.",
-        p, [prom("A", promql.INFERENCE_P50, "p50 · {{domain}}"), prom("B", promql.inference_p99(), "p99 · {{domain}}")],
+        p, [prom("A", promql.INFERENCE_P50, "p50 · {{domain}}"), prom("B", promql.inference_p99(), "p99 · {{domain}} · {{target}}")],
         unit="s", width=12))
     layout.add(timeseries(
         "Time to first token p50 / p95 (estimated from histogram buckets)",

@@ -43,8 +43,8 @@ def build_overview(settings: DashboardSettings) -> Json:
         "last probe of each probe id averaged per domain, and its 24h mean: the recorded series the "
         f"ratio alerts evaluate. Reference lines: {low:g} (ratio-low alert) and {risk:g} (quality-risk "
         "alert), the alert rules' default thresholds.",
-        p, [prom("A", promql.ratio_by_domain(), "{{domain}} · {{model}}"),
-            prom("B", promql.ratio_avg_24h(), "{{domain}} · 24h mean")],
+        p, [prom("A", promql.ratio_by_domain(), "{{domain}} · {{model}} · {{target}}"),
+            prom("B", promql.ratio_avg_24h(), "{{domain}} · {{target}} · 24h mean")],
         unit="percentunit", width=16, minimum=0, maximum=1,
         thresholds=[("transparent", None), ("red", low), ("orange", risk)]))
     layout.add(bargauge(
@@ -91,14 +91,14 @@ def build_overview(settings: DashboardSettings) -> Json:
         "Teacher-forced argmax agreement of the pruned model with the dense model on the dense continuation "
         "of each probe: last result of each probe id averaged per domain (the recorded series the agreement "
         "alert family uses), and the worst probe. 1.0 means every token matched.",
-        p, [prom("A", promql.token_agreement_by_domain(), "{{domain}} · {{model}}"),
+        p, [prom("A", promql.token_agreement_by_domain(), "{{domain}} · {{model}} · {{target}}"),
             prom("B", promql.TOKEN_AGREEMENT_WORST, "worst probe")],
         unit="percentunit", width=12, minimum=0, maximum=1))
     layout.add(timeseries(
         "Probe failure rate (measured)",
         "Failed probes / all probes over 15 minutes, per model and domain: the recorded series the "
         "probe-failing alert evaluates.",
-        p, [prom("A", promql.failure_rate(), "{{domain}} · {{model}}")],
+        p, [prom("A", promql.failure_rate(), "{{domain}} · {{model}} · {{target}}")],
         unit="percentunit", width=12, minimum=0, maximum=1))
     layout.add(table(
         "Alerts firing",

@@ -23,7 +23,9 @@ from records.promql import (
 )
 
 MODEL_DOMAIN = 'model=~"$model", domain=~"$domain"'
-"""Label matchers of the per-probe metrics: they carry model and domain (not target)."""
+"""Label matchers of the per-probe metrics and the figures recorded from them. These carry a target too
+(none for an engine's own live traffic), which their legends show; the target variable narrows only the
+per-target panels."""
 
 MODEL_TARGET = 'model=~"$model", target=~"$target"'
 """Label matchers of the per-target series (probe wall time, freshness)."""

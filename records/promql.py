@@ -7,16 +7,19 @@ them through the recording rules' names, and tests evaluate them against a real 
 from __future__ import annotations
 
 # -- probe results (records/metrics.py) -------------------------------------------------------
-PROMQL_RATIO_AVG_24H = "avg by (model, domain) (avg_over_time(prunewatch_pruning_ratio[24h]))"
-PROMQL_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_pruning_ratio)"
-PROMQL_DECODE_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_decode_pruning_ratio)"
-PROMQL_PREFILL_RATIO_BY_DOMAIN = "avg by (model, domain) (prunewatch_prefill_pruning_ratio)"
+# Grouped by target as well as model and domain: two engines serving one model are two things to
+# alert on (an average over both would let one hide the other's risk), and each alert names the
+# engine it is about. An engine's own live traffic has no target label: it forms a group of its own.
+PROMQL_RATIO_AVG_24H = "avg by (target, model, domain) (avg_over_time(prunewatch_pruning_ratio[24h]))"
+PROMQL_RATIO_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_pruning_ratio)"
+PROMQL_DECODE_RATIO_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_decode_pruning_ratio)"
+PROMQL_PREFILL_RATIO_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_prefill_pruning_ratio)"
 PROMQL_LATENCY_P99 = (
-    "histogram_quantile(0.99, sum by (le, model, domain) (rate(prunewatch_inference_latency_seconds_bucket[5m])))"
+    "histogram_quantile(0.99, sum by (le, target, model, domain) (rate(prunewatch_inference_latency_seconds_bucket[5m])))"
 )
 PROMQL_FAILURE_RATE = (
-    "sum by (model, domain) (rate(prunewatch_probe_failures_total[15m]))"
-    " / clamp_min(sum by (model, domain) (rate(prunewatch_probe_results_total[15m])), 1e-9)"
+    "sum by (target, model, domain) (rate(prunewatch_probe_failures_total[15m]))"
+    " / clamp_min(sum by (target, model, domain) (rate(prunewatch_probe_results_total[15m])), 1e-9)"
 )
 
 
@@ -37,11 +40,11 @@ PROMQL_REQUEST_P99_5M = (
 
 
 # -- alerting ---------------------------------------------------------------------------------
-PROMQL_AGREEMENT_BY_DOMAIN = "avg by (model, domain) (prunewatch_token_agreement)"
-"""Token agreement with the dense model, last probe of each probe id, averaged per model and domain."""
+PROMQL_AGREEMENT_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_token_agreement)"
+"""Token agreement with the dense model, last probe of each probe id, averaged per target, model and domain."""
 
-PROMQL_AGREEMENT_AVG_1H = "avg by (model, domain) (avg_over_time(prunewatch_token_agreement[1h]))"
-"""One hour of token agreement per model and domain: one probe's bad answer does not page anyone."""
+PROMQL_AGREEMENT_AVG_1H = "avg by (target, model, domain) (avg_over_time(prunewatch_token_agreement[1h]))"
+"""One hour of token agreement per target, model and domain: one probe's bad answer does not page anyone."""
 
 PROMQL_BUFFER_DEPTH = "prunewatch_collector_buffer_depth"
 """Results the collector holds on disk because the database did not take them yet (gauge)."""
@@ -53,14 +56,15 @@ def promql_results_absent(window: str) -> str:
 
 
 def promql_ratio_bucket_probes(lower: float, upper: float, *, upper_closed: bool) -> str:
-    """How many probes (per model and domain) have a last pruning ratio inside [lower, upper) or [lower, upper]."""
+    """How many probes (per target, model and domain) have a last pruning ratio inside [lower, upper) or [lower, upper]."""
     upper_op = "<=" if upper_closed else "<"
-    return (f"count by (model, domain) (prunewatch_pruning_ratio >= {_number(lower)} {upper_op} {_number(upper)})")
+    return (f"count by (target, model, domain) (prunewatch_pruning_ratio >= {_number(lower)} {upper_op} "
+            f"{_number(upper)})")
 
 
 def promql_ratio_over_probes(lower: float) -> str:
-    """How many probes (per model and domain) have a last pruning ratio above `lower`."""
-    return f"count by (model, domain) (prunewatch_pruning_ratio > {_number(lower)})"
+    """How many probes (per target, model and domain) have a last pruning ratio above `lower`."""
+    return f"count by (target, model, domain) (prunewatch_pruning_ratio > {_number(lower)})"
 
 
 def _number(value: float) -> str:

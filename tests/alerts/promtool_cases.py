@@ -130,66 +130,68 @@ def _bucket_values(series: list[InputSeries]) -> dict[int, list[float]]:
 def results_for(case: dict[str, Any]) -> list[ProbeResult]:
     """The probe results whose metrics are this case's input series."""
     interval, series = input_series(case)
-    gauges: dict[tuple[int, str, str], dict[str, dict[str, float]]] = defaultdict(dict)
-    ok_declared: dict[tuple[int, str, str], int] = {}
-    failed_declared: dict[tuple[int, str, str], int] = {}
-    failures: dict[tuple[int, str, str], list[str]] = defaultdict(list)
-    buckets: dict[tuple[str, str], list[InputSeries]] = defaultdict(list)
-    has_ok_series: set[tuple[str, str]] = set()
+    # Keyed by (sample index, model, domain, target): a series without a target label is a result of target ""
+    # (an engine's own live traffic), which the store's series show without one, as Prometheus does.
+    gauges: dict[tuple[int, str, str, str], dict[str, dict[str, float]]] = defaultdict(dict)
+    ok_declared: dict[tuple[int, str, str, str], int] = {}
+    failed_declared: dict[tuple[int, str, str, str], int] = {}
+    failures: dict[tuple[int, str, str, str], list[str]] = defaultdict(list)
+    buckets: dict[tuple[str, str, str], list[InputSeries]] = defaultdict(list)
+    has_ok_series: set[tuple[str, str, str]] = set()
     for s in series:
-        model, domain = s.labels.get("model", ""), s.labels.get("domain", "")
+        group = (s.labels.get("model", ""), s.labels.get("domain", ""), s.labels.get("target", ""))
         if s.metric in GAUGE_FIELDS:
             for i, value in enumerate(s.values):
                 if value is not None:
-                    gauges[(i, model, domain)].setdefault(s.labels["probe"], {})[GAUGE_FIELDS[s.metric]] = value
+                    gauges[(i, *group)].setdefault(s.labels["probe"], {})[GAUGE_FIELDS[s.metric]] = value
         elif s.metric == RESULTS:
-            target = ok_declared if s.labels["status"] == "ok" else failed_declared
+            declared = ok_declared if s.labels["status"] == "ok" else failed_declared
             if s.labels["status"] == "ok":
-                has_ok_series.add((model, domain))
+                has_ok_series.add(group)
             for i, n in _increments(s).items():
-                target[(i, model, domain)] = n
+                declared[(i, *group)] = n
         elif s.metric == FAILURES:
             for i, n in _increments(s).items():
-                failures[(i, model, domain)].extend([s.labels["reason"]] * n)
+                failures[(i, *group)].extend([s.labels["reason"]] * n)
         elif s.metric == BUCKET_METRIC:
-            buckets[(model, domain)].append(s)
+            buckets[group].append(s)
         elif s.metric == GOVERNOR_CLAMPS_TOTAL:
             continue  # governor decisions, not probe results: decisions_for
         else:
             raise NotConvertible(f"metric {s.metric} is not produced from stored probe results")
-    latencies: dict[tuple[int, str, str], list[float]] = {}
-    for (model, domain), group in buckets.items():
-        for i, values in _bucket_values(group).items():
-            latencies[(i, model, domain)] = values
+    latencies: dict[tuple[int, str, str, str], list[float]] = {}
+    for group, bucket_series in buckets.items():
+        for i, values in _bucket_values(bucket_series).items():
+            latencies[(i, *group)] = values
     keys = set(gauges) | set(ok_declared) | set(failed_declared) | set(failures) | set(latencies)
     results: list[ProbeResult] = []
     for key in sorted(keys):
-        i, model, domain = key
+        i, model, domain, target = key
         at = EPOCH + interval * i
         probes = gauges.get(key, {})
         observed = latencies.get(key, [])
         needed = max(len(probes), len(observed))
-        n_ok = ok_declared.get(key, 0) if (model, domain) in has_ok_series else needed
+        n_ok = ok_declared.get(key, 0) if (model, domain, target) in has_ok_series else needed
         if n_ok < needed:
             raise NotConvertible(f"{n_ok} ok results at {at} cannot carry {needed} samples")
         names = sorted(probes)
         for j in range(n_ok):
             probe = names[j] if j < len(names) else f"{domain}-probe-{j}"
             fields = probes.get(probe, {})
-            results.append(_result(at, model, domain, probe, "ok", i, len(results), **fields,
+            results.append(_result(at, model, domain, target, probe, "ok", i, len(results), **fields,
                                    inference_ms=observed[j] * 1000 if j < len(observed) else None))
         reasons = failures.get(key, [])
         if key in failed_declared and failed_declared[key] != len(reasons):
             raise NotConvertible(f"{failed_declared[key]} failed results but {len(reasons)} failure reasons at {at}")
         for j, reason in enumerate(reasons):
-            results.append(_result(at, model, domain, f"{domain}-probe-{j}", "failed", i, len(results),
+            results.append(_result(at, model, domain, target, f"{domain}-probe-{j}", "failed", i, len(results),
                                    failure_reason=reason))
     return results
 
 
-def _result(at: datetime, model: str, domain: str, probe: str, status: str, step: int, n: int,
+def _result(at: datetime, model: str, domain: str, target: str, probe: str, status: str, step: int, n: int,
             **fields: Any) -> ProbeResult:
-    return ProbeResult(target="embedded", model=model, probe_id=probe, probe_version=1, probe_hash="0" * 16,
+    return ProbeResult(target=target, model=model, probe_id=probe, probe_version=1, probe_hash="0" * 16,
                        domain=domain, status=status, round_id=f"{step:032d}", result_id=f"{step:020d}{n:012d}",
                        created_at=at, **fields)
 

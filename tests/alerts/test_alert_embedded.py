@@ -23,7 +23,7 @@ from records.store import connect
 from tests.alerts.conftest import T0, result, store_results
 from tests.alerts.slack_receiver import SlackReceiver
 
-RISK_TITLE = "[FIRING:1] PruningRatioQualityRisk (critical) on probe-llama/legal"
+RISK_TITLE = "[FIRING:1] PruningRatioQualityRisk (critical) on probe-llama/legal at embedded"
 
 
 @pytest.fixture
@@ -63,8 +63,9 @@ def test_firing_posts_once_then_resolved_once(store, receiver: SlackReceiver, ru
         "*Pruning ratio of probe-llama on legal above 0.45: answer quality at risk*\n"
         "Pruning ratio is 0.600 (measured by the engine, each probe's last result averaged over the domain), above "
         "the configured quality limit 0.45 for 0s (a configured default, not measured on this model; check token agreement).\n"
-        "Runbook: Run `prunewatch doctor` on the collector host, then lower the pruning sensitivity for this domain "
-        "and check token agreement.\n")
+        "Runbook: Run `prunewatch doctor --config <targets file> --target embedded` on the collector host (an alert "
+        "without a target label is about an engine's own live traffic), then lower the pruning sensitivity for this "
+        "domain and check token agreement.\n")
     assert post.body["attachments"][0]["color"] == "danger"
 
     again = alerting.after_round(T0 + timedelta(seconds=30))
@@ -78,7 +79,7 @@ def test_firing_posts_once_then_resolved_once(store, receiver: SlackReceiver, ru
     assert resolved.delivered == 1  # the muted warning never fired in Slack, so it does not resolve there
     posts = receiver.snapshot()
     assert [p.title for p in posts] == [RISK_TITLE,
-                                        "[RESOLVED] PruningRatioQualityRisk (critical) on probe-llama/legal"]
+                                        "[RESOLVED] PruningRatioQualityRisk (critical) on probe-llama/legal at embedded"]
     assert posts[1].body["attachments"][0]["color"] == "good"
 
 
@@ -160,7 +161,8 @@ def test_unconfigured_slack_evaluates_and_logs_only(store, rules_path: Path, tmp
         alerting = EmbeddedAlerting(settings(rules_path, tmp_path, None), store)
         report = alerting.after_round(T0 + timedelta(seconds=1))
     assert "Slack is not configured" in caplog.text
-    assert "alert firing: PruningRatioQualityRisk{domain=legal, model=probe-llama, severity=critical}" in caplog.text
+    assert ("alert firing: PruningRatioQualityRisk{domain=legal, model=probe-llama, severity=critical, target=embedded}"
+            in caplog.text)
     assert len(report.transitions) == 2 and alerting.outbox == []
 
 
@@ -187,7 +189,7 @@ def test_probe_failing_mutes_quality_risk_as_alertmanager_does(store, receiver: 
     fired = sorted((t.alert.rule, t.alert.label("severity")) for t in report.transitions)
     assert fired == [("ProbeFailing", "critical"), ("PruningRatioQualityRisk", "critical"),
                      ("PruningRatioQualityRisk", "warning")]
-    assert [p.title for p in receiver.snapshot()] == ["[FIRING:1] ProbeFailing (critical) on probe-llama/legal"]
+    assert [p.title for p in receiver.snapshot()] == ["[FIRING:1] ProbeFailing (critical) on probe-llama/legal at embedded"]
     assert "0.75 of probe results failed" in receiver.snapshot()[0].text  # 6 failed of 8 results
 
     later = at + timedelta(minutes=16)  # the failures leave the 15m window; the ratio stays high
@@ -195,7 +197,7 @@ def test_probe_failing_mutes_quality_risk_as_alertmanager_does(store, receiver: 
     report = alerting.after_round(later + timedelta(seconds=1))
     assert [(t.kind, t.alert.rule) for t in report.transitions] == [("resolved", "ProbeFailing")]
     assert [p.title for p in receiver.snapshot()][1:] == [
-        "[RESOLVED] ProbeFailing (critical) on probe-llama/legal", RISK_TITLE]  # no longer muted: posted now
+        "[RESOLVED] ProbeFailing (critical) on probe-llama/legal at embedded", RISK_TITLE]  # no longer muted: posted now
 
 
 def test_after_round_never_raises_when_the_store_is_gone(rules_path: Path, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ def test_real_results_raise_pruning_ratio_low(collected_sqlite: str, receiver: S
         per_probe: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for r in results:
             per_probe[r.domain][r.probe_id].append(r.pruning_ratio)
-        # avg by (model, domain) (avg_over_time(ratio[24h])): the mean of each probe's mean
+        # avg by (target, model, domain) (avg_over_time(ratio[24h])), one target here: the mean of each probe's mean
         expected = {domain: statistics.fmean(statistics.fmean(v) for v in probes.values())
                     for domain, probes in per_probe.items()}
         assert all(value < 0.35 for value in expected.values()), f"probe-model ratios {expected} (measured)"
@@ -50,5 +50,5 @@ def test_real_results_raise_pruning_ratio_low(collected_sqlite: str, receiver: S
     posts = {p.title: p.text for p in receiver.snapshot() if "PruningRatioLow" in p.title}
     model = results[0].model
     for domain, value in expected.items():
-        text = posts[f"[FIRING:1] PruningRatioLow (warning) on {model}/{domain}"]
+        text = posts[f"[FIRING:1] PruningRatioLow (warning) on {model}/{domain} at {results[0].target}"]
         assert f"24 h average pruning ratio is {value:.3f} (measured by the engine" in text

@@ -128,7 +128,8 @@ def stack(collected_sqlite: str) -> Iterator[Stack]:
 
 
 def title(stack: Stack, status: str, severity: str, domain: str, alertname: str = "PruningRatioQualityRisk") -> str:
-    return slack_title(status, {"alertname": alertname, "severity": severity, "model": stack.model, "domain": domain})
+    return slack_title(status, {"alertname": alertname, "severity": severity, "model": stack.model, "domain": domain,
+                                "target": stack.results[0].target})
 
 
 def test_quality_risk_reaches_slack_firing_then_resolved(stack: Stack) -> None:
@@ -141,13 +142,13 @@ def test_quality_risk_reaches_slack_firing_then_resolved(stack: Stack) -> None:
     # Alertmanager's templates and the embedded evaluator's formatter write the same message.
     assert post.title == slack_title("firing", alert["labels"]) and post.text == slack_text(alert["annotations"])
     assert "Pruning ratio is 0.600 (measured by the engine" in post.text
-    assert "Runbook: Run `prunewatch doctor`" in post.text
+    assert f"Runbook: Run `prunewatch doctor --config <targets file> --target {stack.results[0].target}`" in post.text
 
     stack.record("legal")  # the real results again: ratio back under the red line
     resolved = stack.receiver.wait_for(lambda p: p.title == title(stack, "resolved", "critical", "legal"), DEADLINE_S)
     assert resolved.path == "/slack-critical" and resolved.at > post.at
     assert resolved.body["attachments"][0]["color"] == "good"
-    warnings = [p for p in stack.receiver.snapshot() if "(warning) on" in p.title and p.title.endswith("/legal")]
+    warnings = [p for p in stack.receiver.snapshot() if "(warning) on" in p.title and "/legal" in p.title]
     assert warnings == []  # the red-line warning was inhibited by the critical alert
 
 
@@ -179,7 +180,7 @@ def failed_notifications(stack: Stack) -> float:
 
 def test_probe_failing_inhibits_quality_risk_in_alertmanager(stack: Stack) -> None:
     now = datetime.now(timezone.utc)
-    common = {"model": stack.model, "domain": "finance", "severity": "critical"}
+    common = {"model": stack.model, "domain": "finance", "severity": "critical", "target": stack.results[0].target}
     alerts = [{"labels": {**common, "alertname": name}, "annotations": {"summary": name, "description": "d",
                                                                           "runbook": "r"},
                "startsAt": now.isoformat(), "endsAt": (now + timedelta(minutes=5)).isoformat()}

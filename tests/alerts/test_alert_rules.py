@@ -89,10 +89,10 @@ def test_recording_rules_are_the_constants_under_stable_names(defaults: RuleSett
     }
     buckets = [(labels["bucket"], expr) for name, expr, labels in records if labels is not None]
     assert buckets == [
-        ("[0,0.35)", "count by (model, domain) (prunewatch_pruning_ratio >= 0 < 0.35)"),
-        ("[0.35,0.42)", "count by (model, domain) (prunewatch_pruning_ratio >= 0.35 < 0.42)"),
-        ("[0.42,0.47]", "count by (model, domain) (prunewatch_pruning_ratio >= 0.42 <= 0.47)"),
-        ("(0.47,1]", "count by (model, domain) (prunewatch_pruning_ratio > 0.47)"),
+        ("[0,0.35)", "count by (target, model, domain) (prunewatch_pruning_ratio >= 0 < 0.35)"),
+        ("[0.35,0.42)", "count by (target, model, domain) (prunewatch_pruning_ratio >= 0.35 < 0.42)"),
+        ("[0.42,0.47]", "count by (target, model, domain) (prunewatch_pruning_ratio >= 0.42 <= 0.47)"),
+        ("(0.47,1]", "count by (target, model, domain) (prunewatch_pruning_ratio > 0.47)"),
     ]
     assert all(re.fullmatch(r"prunewatch:[a-z0-9_]+:(\d+[smhd]|last)", name) for name, _, _ in records)
 
