@@ -104,14 +104,17 @@ def read_rule_groups(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def load_rules(path: Path, lookback_s: float = 300.0) -> RuleFile:
-    """Read `path`; raise `RuleFileError` for a broken file, list unsupported rules in the result."""
+    """Read `path`; raise `RuleFileError` for a broken file (YAML, structure, or an expression that is not
+    PromQL, which Prometheus refuses as well), list the rules it cannot run in the result."""
     result = RuleFile(path=Path(path))
     pending: list[tuple[str, dict[str, Any]]] = []
     for group_name, raw in read_rule_groups(path):
         if "record" in raw:
             try:
                 node = parse(raw["expr"])
-            except (PromQLSyntaxError, UnsupportedExpression):
+            except PromQLSyntaxError as exc:  # Prometheus would refuse the whole file too
+                raise RuleFileError(f"rule file {path}, group {group_name}, record {raw['record']}: {exc}") from exc
+            except UnsupportedExpression:
                 continue  # a recording rule only matters if an alert uses it, which is then reported
             result.recorded.setdefault(str(raw["record"]), []).append(
                 RecordedRule(str(raw["record"]), node, _string_map(raw.get("labels"), "labels")))
@@ -136,10 +139,15 @@ def _alert_rule(group: str, raw: dict[str, Any], rules: RuleFile, lookback_s: fl
     annotations = _string_map(raw.get("annotations"), f"rule {group}/{name} annotations")
     try:
         node = parse(raw["expr"])
+    except PromQLSyntaxError as exc:  # not PromQL at all: Prometheus would refuse the whole file too
+        raise RuleFileError(f"rule {group}/{name}: {exc}") from exc
+    except UnsupportedExpression as exc:
+        return str(exc)
+    try:
         Engine(StoreSeries([]), at=0.0, lookback_s=lookback_s, recorded=rules.recorded).vector(node)
         for _, text in (*labels, *annotations):
             check(text)
-    except (PromQLSyntaxError, UnsupportedExpression, UnsupportedTemplate, EvaluationError) as exc:
+    except (UnsupportedExpression, UnsupportedTemplate, EvaluationError) as exc:
         return str(exc)
     return AlertRule(name=name, expr=raw["expr"], node=node, hold_s=hold_s, labels=labels,
                      annotations=annotations, group=group)

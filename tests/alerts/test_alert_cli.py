@@ -56,6 +56,16 @@ def test_check_lists_what_only_prometheus_evaluates(runner: CliRunner) -> None:
     assert "evaluated" in governor and "Prometheus only" not in governor  # from the stored decisions
 
 
+@pytest.mark.parametrize("kind", ["alert", "record"])
+def test_check_refuses_an_expression_that_is_not_promql(runner: CliRunner, tmp_path: Path, kind: str) -> None:
+    rules = tmp_path / "rules.yml"
+    rules.write_text(f"groups:\n- name: g\n  rules:\n  - {kind}: Broken\n    expr: sum(rate(foo[5m])\n")
+    done = runner.invoke(app, ["check", "--rules", str(rules)])
+    assert done.exit_code == 2 and len(done.output.strip().splitlines()) == 1
+    assert done.output.startswith("error: rule ") and "Broken" in done.output and "sum(rate(foo[5m])" in done.output
+    assert "Prometheus only" not in done.output  # Prometheus refuses it as well: the file is invalid
+
+
 def test_check_rejects_a_missing_file(runner: CliRunner, tmp_path: Path) -> None:
     done = runner.invoke(app, ["check", "--rules", str(tmp_path / "nope.yml")])
     assert done.exit_code == 2 and done.output.startswith("error: cannot read rule file")
