@@ -9,7 +9,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -158,6 +158,19 @@ def quiet_transformers_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _layers_beyond_config(unexpected: Iterable[str], config) -> list[str]:
+    """Tensors of the checkpoint that belong to decoder layers config.json does not have (index >= its
+    layer count): weights of a deeper model, which loading would drop without an error."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return []
+    return sorted(key for key in unexpected
+                  if (match := _LAYER_INDEX.search(key)) is not None and int(match.group(1)) >= layers)
+
+
 def load_model(path: Path, device: str = "auto") -> LoadedModel:
     """Load model and tokenizer; raise ModelLoadError with a one-line reason on failure, and
     UnsupportedArchitectureError (one line) for a model whose decoder blocks the engine cannot find."""
@@ -170,6 +183,8 @@ def load_model(path: Path, device: str = "auto") -> LoadedModel:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"config.json in {path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"config.json in {path} is not a JSON object (it holds a {type(config).__name__})")
     if config.get("num_local_experts") or config.get("num_experts"):
         raise ModelLoadError(
             f"{path} is a mixture-of-experts model; its per-token work varies by routing, which the "
@@ -184,6 +199,11 @@ def load_model(path: Path, device: str = "auto") -> LoadedModel:
             if missing:  # transformers initialises them at random and only logs it: a damaged model
                 raise ModelLoadError(f"the weights in {path} lack {len(missing)} tensor(s) that config.json "
                                      f"describes ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+            extra = _layers_beyond_config(report.get("unexpected_keys") or (), model.config)
+            if extra:  # transformers drops them and only logs it: config.json describes a smaller model
+                raise ModelLoadError(f"the weights in {path} hold layers past the {model.config.num_hidden_layers} "
+                                     f"that config.json describes ({', '.join(extra[:3])}"
+                                     f"{', ...' if len(extra) > 3 else ''})")
     except ModelLoadError:
         raise
     except Exception as exc:  # a damaged input, not a bug of ours: only library code runs here

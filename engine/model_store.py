@@ -136,6 +136,10 @@ def pull(name: str = DEFAULT_MODEL, root: Path | None = None, progress: Progress
     return target
 
 
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every GGUF file."""
+
+
 def import_gguf(file: Path, name: str | None = None, root: Path | None = None,
                 progress: Progress | None = None) -> Path:
     """Convert a local GGUF file into `<root>/<name>` (name defaults to the file's stem); always reconverts."""
@@ -146,11 +150,22 @@ def import_gguf(file: Path, name: str | None = None, root: Path | None = None,
     if name in KNOWN_MODELS or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ModelLoadError(f"cannot import as {name!r}: use --name with letters, digits, '.', '_' or '-' "
                              f"that is not a known model name ({', '.join(KNOWN_MODELS)})")
+    with file.open("rb") as handle:
+        magic = handle.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{file} is not a GGUF file: it does not start with the GGUF magic bytes"
+                             + (" (it is empty)" if not magic else ""))
     report = progress or _ignore
     with _root_lock(models_root(root), report) as base:
         report("verifying")
         source = {"source": "gguf-file", "imported_from": str(file.resolve())}
-        _convert_into_place(file, _sha256(file), base / name, source, report)
+        try:
+            _convert_into_place(file, _sha256(file), base / name, source, report)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # the GGUF reader or transformers on a damaged file: one line, no folder left
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"cannot convert {file}: {reason}") from exc
     return base / name
 
 

@@ -1,5 +1,5 @@
 """`python -m prunewatch` runs the command line."""
 
-from prunewatch.cli import app
+from prunewatch.cli import main
 
-app()
+main()

@@ -209,16 +209,17 @@ def serve_command(
 
     from engine.errors import EngineError
     from probes import ProbeFileError
-    from server import serve
+    from server import ServeAddressError, bind_listener, serve
 
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
     try:
+        listener = bind_listener(host, port)  # before the model is fetched or loaded: a taken port fails at once
         serve(model_folder(model), host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
-              workers=workers, probes_path=probes)
+              workers=workers, probes_path=probes, listener=listener)
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
-    except (EngineError, ProbeFileError) as exc:
+    except (EngineError, ProbeFileError, ServeAddressError) as exc:
         raise fail(str(exc))
 
 
@@ -319,6 +320,16 @@ def _mount_groups() -> None:
 _mount_groups()
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
+def main() -> None:  # the console script and `python -m prunewatch`
+    """The console script: the commands, and one line for a setting that a PRUNEWATCH_* variable set wrongly
+    deep inside a command (a JSON-valued variable that is not JSON, a value out of its range)."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    try:
+        app()
+    except SettingsError as exc:  # a variable pydantic-settings could not even parse (JSON-valued fields)
+        sys.exit(fail(f"invalid setting: {str(exc).splitlines()[0]}").exit_code)
+    except ValidationError as exc:
+        sys.exit(fail(f"invalid {exc.title} setting: {first_validation_error(exc)}").exit_code)
 

@@ -1,7 +1,14 @@
 """The engine's OpenAI-compatible HTTP API: chat, completions, batch, models, health, metrics."""
 
 from server.app import create_app
-from server.run import build_engine, serve, serve_in_background
+from server.run import (
+    ServeAddressError,
+    bind_listener,
+    build_engine,
+    serve,
+    serve_in_background,
+)
 from server.settings import ServerSettings
 
-__all__ = ["ServerSettings", "build_engine", "create_app", "serve", "serve_in_background"]
+__all__ = ["ServeAddressError", "ServerSettings", "bind_listener", "build_engine", "create_app", "serve",
+           "serve_in_background"]

@@ -58,8 +58,9 @@ def _log_to_stderr(level: str) -> None:
 def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivity: float = 0.5,
           device: Literal["auto", "cpu", "cuda"] = "auto", *, queue_depth: int | None = None,
           workers: int | None = None, probes_path: Path | None = None, calibration_dir: Path | None = None,
-          log_level: str = "info") -> None:
-    """Serve `model_dir` on host:port until interrupted (the `prunewatch serve` command).
+          log_level: str = "info", listener: socket.socket | None = None) -> None:
+    """Serve `model_dir` on host:port until interrupted (the `prunewatch serve` command). `listener`: the
+    socket `bind_listener(host, port)` bound already (the command binds before it resolves the model).
 
     Everything not passed here comes from ServerSettings (PRUNEWATCH_SERVER_* variables, and
     PRUNEWATCH_API_KEYS / PRUNEWATCH_API_KEYS_FILE for auth).
@@ -75,9 +76,35 @@ def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivit
         overrides["workers"] = workers
     settings = ServerSettings(**overrides)
     _log_to_stderr(log_level)
-    engine = build_engine(model_dir, sensitivity, device, probes_path=probes_path, calibration_dir=calibration_dir)
-    app = create_app(engine, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    # Bound before minutes of loading, so a taken port fails at once.
+    sock = listener if listener is not None else bind_listener(settings.host, settings.port)
+    try:
+        engine = build_engine(model_dir, sensitivity, device, probes_path=probes_path, calibration_dir=calibration_dir)
+        app = create_app(engine, settings)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+class ServeAddressError(RuntimeError):
+    """The server cannot listen where it was asked to (port taken, address not of this host, bad name)."""
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for uvicorn to listen on; ServeAddressError (one line) when it cannot be.
+
+    Bound before the model loads, and handed to uvicorn, so the address is held from then on: a port
+    another process takes meanwhile cannot make a loaded engine fail at its last step."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeAddressError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.targets import processor_name
+from engine.hardware import processor_name
 from tests.support.servers import free_port
 
 PRUNEWATCH = [sys.executable, "-m", "prunewatch"]
@@ -107,6 +107,12 @@ def _bad_model(case: str, source: Path, root: Path) -> Path:
         save_file(tensors, weights, metadata={"format": "pt"})
     elif case == "config-not-json":
         (folder / "config.json").write_text("{not json")
+    elif case == "config-not-object":
+        (folder / "config.json").write_text("[1, 2]")
+    elif case == "more-layers":  # the weights of a deeper model: transformers would drop the extra layers
+        config = json.loads((folder / "config.json").read_text())
+        config["num_hidden_layers"] -= 2
+        (folder / "config.json").write_text(json.dumps(config))
     elif case == "config-inconsistent":  # valid JSON that transformers refuses
         config = json.loads((folder / "config.json").read_text())
         config["hidden_size"] = config["hidden_size"] + 64
@@ -122,6 +128,8 @@ BAD_MODELS = {  # case -> what the one error line says
     "wrong-shape": "do not match its config.json: model.layers.0.self_attn.q_proj.weight has shape [7, 5] in the file",
     "missing-tensor": "lack 1 tensor(s) that config.json describes (model.layers.0.mlp.down_proj.weight)",
     "config-not-json": "config.json in ",
+    "config-not-object": "is not a JSON object (it holds a list)",
+    "more-layers": "hold layers past the",
     "config-inconsistent": "is not a multiple of the number of attention heads",
 }
 
@@ -200,6 +208,40 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_d
         taken.close()
     _assert_one_line_error(result, needle)
     assert not db.exists()
+
+
+@pytest.mark.parametrize("command, variable, value, needle", [
+    ("run", "PRUNEWATCH_ENGINE_LAYER_BLACKLIST", "notjson", 'invalid setting: error parsing value for field "layer_blacklist"'),
+    ("run", "PRUNEWATCH_ENGINE_SIGNAL_WEIGHTS", "[1]", "invalid EngineSettings setting: signal_weights"),
+    ("serve", "PRUNEWATCH_ENGINE_SPARSITY_FAMILY_SCALE", "{bad", 'error parsing value for field "sparsity_family_scale"'),
+])
+def test_a_variable_that_cannot_be_read_is_one_line_exit_2(tmp_path, probe_model_dir, command, variable, value, needle):
+    """JSON-valued engine settings are read deep inside a command: a variable that is not JSON, or JSON of the
+    wrong shape, still ends in one `error:` line and exit 2, and nothing is written."""
+    db = tmp_path / "out.db"
+    args = ["run", "--rounds", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}"] if command == "run" else \
+        ["serve", "--port", str(free_port())]
+    result = run_cli(*args, "--model", str(probe_model_dir), "--device", "cpu", timeout=120, cwd=tmp_path,
+                     env={**os.environ, variable: value})
+    _assert_one_line_error(result, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["port-taken", "bad-host"])
+def test_serve_on_an_address_it_cannot_bind_is_one_line_exit_2_before_loading(tmp_path, case):
+    """The listening socket is bound before the model loads: no minutes of loading before the failure, and
+    a model folder that does not exist is not even looked at."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    host, port = ("127.0.0.1", taken.getsockname()[1]) if case == "port-taken" else ("999.1.1.1", free_port())
+    try:
+        result = run_cli("serve", "--model", str(tmp_path / "no-such-model"), "--host", host, "--port", str(port),
+                         timeout=60, cwd=tmp_path)
+    finally:
+        taken.close()
+    _assert_one_line_error(result, f"cannot serve on {host}:{port}: ")
+    assert "model folder not found" not in result.stderr
 
 
 def test_profile_dram_without_a_gpu_says_so_and_writes_nothing(tmp_path, probe_model_dir):

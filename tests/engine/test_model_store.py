@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 import zipfile
@@ -294,6 +295,28 @@ def test_import_gguf_records_the_file_and_its_sha256(tmp_path, calls):
         model_store.import_gguf(gguf, "../escape", root)
     with pytest.raises(ModelLoadError, match="not found"):
         model_store.import_gguf(tmp_path / "missing.gguf", root=root)
+
+
+@pytest.mark.parametrize("content, needle", [(b"junk\n", "does not start with the GGUF magic bytes"),
+                                             (b"", "(it is empty)")])
+def test_import_gguf_refuses_a_file_that_is_not_gguf(tmp_path, calls, content, needle):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=re.escape(needle)):
+        model_store.import_gguf(junk, root=tmp_path / "models")
+    assert calls.conversions == [] and not (tmp_path / "models" / "junk").exists()
+
+
+def test_import_gguf_turns_a_conversion_failure_into_one_line(tmp_path, monkeypatch):
+    def broken(gguf, out, progress=None):
+        raise ValueError("tensor data is not within the file bounds\nmore detail")
+
+    monkeypatch.setattr(model_store, "convert_gguf", broken)
+    gguf = tmp_path / "cut.gguf"
+    gguf.write_bytes(FAKE_GGUF)
+    with pytest.raises(ModelLoadError, match=r"^cannot convert .*cut\.gguf: tensor data is not within the file bounds$"):
+        model_store.import_gguf(gguf, root=tmp_path / "models")
+    assert not (tmp_path / "models" / "cut").exists()
 
 
 def test_list_models_shows_known_models_pulled_or_not_and_imports(tmp_path, spec, calls):
