@@ -7,38 +7,13 @@ stable label stored with the failed result.
 
 from __future__ import annotations
 
-import functools
-import platform
 import threading
-from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 from engine import GenerationResult, PruningEngine
-from engine.hardware import device_name as accelerator_name
+from engine.hardware import device_model_name
 from engine.pruning_engine import TokenDelta
 from probes import Probe
-
-DEVICE_NAME_MAX = 128  # the store's column width
-
-
-@functools.lru_cache(maxsize=1)
-def processor_name() -> str | None:
-    """The CPU's model name (Linux /proc/cpuinfo, else the platform's answer); None when unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, sep, value = line.partition(":")
-            if sep and key.strip() == "model name" and value.strip():
-                return value.strip()[:DEVICE_NAME_MAX]
-    except OSError:
-        pass
-    return (platform.processor() or "").strip()[:DEVICE_NAME_MAX] or None
-
-
-def device_name_of(device) -> str | None:
-    """A torch device's model name: the GPU's marketing name on CUDA, the processor's on a CPU."""
-    if device.type == "cpu":
-        return processor_name()
-    return (accelerator_name(device) or "")[:DEVICE_NAME_MAX] or None
 
 
 class TargetError(Exception):
@@ -81,7 +56,7 @@ class InProcessTarget:
         self.engine = engine
         self.name = name
         self.model = engine.name
-        self.device_name = device_name_of(engine.loaded.device)  # stored with each result (its stats carry the type)
+        self.device_name = device_model_name(engine.loaded.device)  # stored with each result (its stats carry the type)
         self.sensitivity = sensitivity
         self.layer_blacklist = None if layer_blacklist is None else sorted(set(layer_blacklist))
         self.quality = quality  # score each answer against the dense model (off for dense baseline runs)

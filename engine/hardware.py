@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import platform
 import resource
+from pathlib import Path
 
 import torch
+
+DEVICE_NAME_MAX = 128  # the result store's column width
 
 # AVX2 FMA on fp32: 8 lanes x 2 FLOPs per instruction. The estimate assumes the matmuls are fully
 # vectorised, so it is a lower bound on instructions and an upper bound on bytes per instruction.
@@ -16,6 +21,27 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+@functools.lru_cache(maxsize=1)
+def processor_name() -> str | None:
+    """The CPU's model name (Linux /proc/cpuinfo, else the platform's answer); None when unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name" and value.strip():
+                return value.strip()[:DEVICE_NAME_MAX]
+    except OSError:
+        pass
+    return (platform.processor() or "").strip()[:DEVICE_NAME_MAX] or None
+
+
+def device_model_name(device: torch.device) -> str | None:
+    """Where a request's timings were measured: the GPU's marketing name on CUDA, the processor's on a CPU;
+    stored with every result (in-process) and published in the HTTP API's `prunewatch` field."""
+    if device.type == "cpu":
+        return processor_name()
+    return (device_name(device) or "")[:DEVICE_NAME_MAX] or None
 
 
 def peak_rss_bytes() -> int:

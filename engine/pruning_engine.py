@@ -290,6 +290,17 @@ class PruningEngine:
                 step_ids = torch.tensor([[token]], device=device)
                 ids = torch.cat([ids, step_ids], dim=1)
 
+    @property
+    def context_window(self) -> int | None:
+        """Positions the model was built for (config.max_position_embeddings, or n_positions for GPT-2);
+        None when its config names none."""
+        config = self.loaded.model.config
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
     def compiled_decode(self, wanted: bool | None = None):
         """The compiled decode step (engine.compiled_decode) when `wanted` (None: the `compile_decode`
         setting) and the model is on the CPU, built for the wrappers installed now; None otherwise or once
@@ -376,6 +387,10 @@ class PruningEngine:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
+        window = self.context_window
+        if window is not None and len(prompt_ids) + max_new_tokens > window:  # past it a model decodes garbage
+            raise InvalidRequestError(f"this model's context is {window} tokens; the prompt's {len(prompt_ids)} "
+                                      f"plus {max_new_tokens} new tokens do not fit")
         user_text = prompt if messages is None else "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
         bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=user_text)
         plan = self._with_sparsity(bypass_plan, blacklist) if bypass_plan else ExecutionPlan()

@@ -62,8 +62,9 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
                registry: CollectorRegistry | None = None) -> FastAPI:
     """An ASGI app serving `engine`; metrics go to `registry` (a fresh one when None)."""
     settings = settings or ServerSettings()
-    install_log_redaction()  # before the first request line reaches uvicorn's access log
     auth = ApiKeyAuth.from_settings(settings)
+    # Before the first request line reaches uvicorn's access log; this app's keys under any parameter name too.
+    install_log_redaction(is_key=auth.is_key if auth.enabled else None)
     if not auth.enabled:
         logger.warning("no API keys configured (PRUNEWATCH_API_KEYS / PRUNEWATCH_API_KEYS_FILE): "
                        "the API accepts every request")

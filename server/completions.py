@@ -19,6 +19,7 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from engine.errors import InvalidRequestError
+from engine.hardware import device_model_name
 from engine.pruning_engine import PruningEngine, TokenDelta
 from engine.settings import LogLevel
 from engine.stats import GenerationResult, RequestStats
@@ -66,16 +67,17 @@ class GenerationSpec:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
 
 
-def prunewatch_block(stats: RequestStats, queue_ms: float) -> dict[str, Any]:
+def prunewatch_block(stats: RequestStats, queue_ms: float, device_name: str | None = None) -> dict[str, Any]:
     """The `prunewatch` body field: the X-Pruning-* header numbers plus how each was obtained.
 
     Every field of PrunewatchStats that RequestStats has is taken by name; only the header's own
-    names (sparsity, total_tokens) and the server's queue time are added here."""
+    names (sparsity, total_tokens), the server's queue time and the device's model name are added here."""
     return PrunewatchStats.model_validate({
         **stats.to_dict(),  # quality becomes a plain dict; fields the API does not publish are ignored
         "sparsity": stats.activation_sparsity,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
         "queue_ms": queue_ms,
+        "device_name": device_name,
     }).model_dump()
 
 
@@ -118,8 +120,8 @@ class CompletionService:
         self.settings = settings
         self.queue = queue
         self.metrics = metrics
-        config = engine.loaded.model.config
-        self.context_window: int | None = getattr(config, "max_position_embeddings", None)
+        self.context_window: int | None = engine.context_window
+        self.device_name = device_model_name(engine.loaded.device)  # published with every answer's timings
 
     # -- checks before admission -------------------------------------------------------------
     async def prepare(self, body: ChatCompletionRequest | CompletionRequest, pruning: PruningRequest,
@@ -269,7 +271,7 @@ class CompletionService:
             "model": self.engine.name,
             "choices": [choice],
             "usage": usage(stats),
-            "prunewatch": prunewatch_block(stats, queue_ms),
+            "prunewatch": prunewatch_block(stats, queue_ms, self.device_name),
         }
 
     async def sse(self, job: GenerationJob[TokenDelta | GenerationResult], spec: GenerationSpec
@@ -311,7 +313,7 @@ class CompletionService:
                 self.metrics.record_generation(stats)
                 final = ({"index": 0, "delta": {}, "finish_reason": stats.finish_reason, "logprobs": None} if chat
                          else {"index": 0, "text": "", "finish_reason": stats.finish_reason, "logprobs": None})
-                yield chunk(final, usage=usage(stats), prunewatch=prunewatch_block(stats, job.queue_ms))
+                yield chunk(final, usage=usage(stats), prunewatch=prunewatch_block(stats, job.queue_ms, self.device_name))
         except InvalidRequestError as exc:
             yield b"data: " + json.dumps(error_body(str(exc), code="invalid_value")).encode() + b"\n\n"
             return

@@ -89,14 +89,15 @@ class AuthMiddleware:
                 scope, receive, send)
             return
         authorization = sent[0] if sent else None
-        if self.auth.is_authorized(authorization):
+        in_url = has_secret_param(scope.get("query_string", b""), self.auth.is_key)
+        if self.auth.is_authorized(authorization) and not in_url:
             await self.app(scope, receive, send)
             return
-        if authorization:
-            message = "Incorrect API key provided."
-        elif has_secret_param(scope.get("query_string", b"")):
+        if in_url:  # refused even beside a valid header: a key in a URL ends up in proxies' and browsers' logs
             message = ("API keys are not accepted in the URL, where logs keep them; "
                        "send it as 'Authorization: Bearer YOUR_KEY'.")
+        elif authorization:
+            message = "Incorrect API key provided."
         else:
             message = "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
         error = APIError(401, message, type_=AUTHENTICATION, code="invalid_api_key",

@@ -184,6 +184,8 @@ class PrunewatchStats(BaseModel):
     decode_tokens_per_s: float
     decoding: Literal["greedy"] = "greedy"
     device: str
+    device_name: str | None = Field(
+        None, description="Where the timings were measured: the processor's model name on a CPU, the GPU's on CUDA.")
     dtype: str
     peak_memory_bytes: int
     peak_memory_source: str

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from collector.exporters import SqlExporter
 from collector.http_target import observation_from_response
 from collector.probe_round import run_round
-from collector.targets import device_name_of, processor_name
+from engine.hardware import device_model_name, processor_name
 from records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import PROBE
 from tests.collector.prod_helpers import PROBES, FakeTarget
@@ -36,7 +36,7 @@ def test_a_target_without_a_device_name_records_none():
 
 
 def test_cpu_device_label_is_the_processor_name():
-    assert device_name_of(torch.device("cpu")) == processor_name()
+    assert device_model_name(torch.device("cpu")) == processor_name()
     name = processor_name()
     assert name is None or (name.strip() == name and 0 < len(name) <= 128)
 

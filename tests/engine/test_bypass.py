@@ -153,3 +153,16 @@ def test_stats_phases_and_rates_are_consistent(probe_engine):
     assert stats.tokens_per_s == pytest.approx(stats.completion_tokens / (stats.inference_ms / 1000), rel=0.01)
     assert stats.ratio_unit == "linear_flops" and stats.ratio_source == "measured"
     assert stats.dram_source == "estimate" and stats.dram_bytes_per_instruction > 0
+
+
+def test_a_request_past_the_models_context_is_refused_before_it_decodes(probe_engine):
+    """Past max_position_embeddings a model decodes garbage (positions it never saw): every path that uses
+    the engine (in-process probes, the HTTP server) refuses the request instead."""
+    window = probe_engine.context_window
+    assert window == probe_engine.loaded.model.config.max_position_embeddings
+    prompt_ids = probe_engine.render_prompt("Show the routing table.")
+    fits = window - len(prompt_ids)
+    assert probe_engine.generate(prompt_ids=prompt_ids, max_new_tokens=2).stats.completion_tokens <= 2
+    with pytest.raises(InvalidRequestError, match=f"context is {window} tokens; the prompt's {len(prompt_ids)} "
+                                                  f"plus {fits + 1} new tokens do not fit"):
+        probe_engine.generate(prompt_ids=prompt_ids, max_new_tokens=fits + 1)

@@ -21,6 +21,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine.hardware import processor_name
 from engine.pruning_engine import PruningEngine
 from server import ServerSettings, build_engine, create_app, serve_in_background
 from server import pruning_headers as ph
@@ -96,6 +97,8 @@ def assert_same_stats(served: dict[str, Any], direct) -> None:
     assert served["domain"] == stats.domain
     assert served["total_tokens"] == stats.prompt_tokens + stats.completion_tokens
     assert (served["ratio_unit"], served["ratio_source"]) == ("linear_flops", "measured")
+    # Where the timings were measured: the type, and the model name a collector stores with the result.
+    assert served["device"] == stats.device and served["device_name"] == processor_name() is not None
 
 
 # -- the openai SDK -----------------------------------------------------------------------------
@@ -406,8 +409,10 @@ class _Lines(logging.Handler):
 
 
 def test_an_api_key_in_the_url_is_refused_and_never_logged(http: httpx.Client) -> None:
-    """Keys come only from `Authorization: Bearer`; one in the query string authorizes nothing and
-    reaches no log: uvicorn's access log (which does not propagate to the root logger) and ours."""
+    """Keys come only from `Authorization: Bearer`; a request with one in the query string is refused, even
+    beside a valid header (the URL has already put the key into proxies' and browsers' logs), and the key
+    reaches no log of ours: uvicorn's access log (which does not propagate to the root logger) and ours, under
+    a credential-like parameter name or under any other name."""
     capture = _Lines()
     loggers = [logging.getLogger(name) for name in ("uvicorn.access", "uvicorn.error", "prunewatch")]
     levels = [logger.level for logger in loggers]
@@ -415,22 +420,24 @@ def test_an_api_key_in_the_url_is_refused_and_never_logged(http: httpx.Client) -
         logger.addHandler(capture)
         logger.setLevel(logging.INFO)
     try:
+        in_url = error("API keys are not accepted in the URL, where logs keep them; send it as "
+                       "'Authorization: Bearer YOUR_KEY'.", "authentication_error", code="invalid_api_key")
         for query in (f"api_key={API_KEY}", f"key={API_KEY}", f"model=m&access_token={API_KEY}",
-                      f"api%5Fkey={API_KEY}", f"x-api-key={API_KEY}"):
-            refused = http.get(f"/v1/models?{query}")
-            assert (refused.status_code, refused.json()) == (401, error(
-                "API keys are not accepted in the URL, where logs keep them; send it as "
-                "'Authorization: Bearer YOUR_KEY'.", "authentication_error", code="invalid_api_key")), query
-        served = http.get(f"/v1/models?api_key={API_KEY}", headers=AUTH)  # the header authorizes, the URL does not
-        assert served.status_code == 200
-        assert http.post(f"/v1/nothing?token={API_KEY}", headers=AUTH).status_code == 404
+                      f"api%5Fkey={API_KEY}", f"x-api-key={API_KEY}", f"x={API_KEY}"):
+            for headers in ({}, AUTH):
+                refused = http.get(f"/v1/models?{query}", headers=headers)
+                assert (refused.status_code, refused.json()) == (401, in_url), (query, headers)
+        assert http.post(f"/v1/nothing?token={API_KEY}", headers=AUTH).status_code == 401
+        assert http.get("/v1/models?x=not-a-key", headers=AUTH).status_code == 200  # other values pass
     finally:
         for logger, level in zip(loggers, levels):
             logger.removeHandler(capture)
             logger.setLevel(level)
     assert any("/v1/models?api_key=[REDACTED]" in line and " 401" in line for line in capture.lines), capture.lines
     assert any("/v1/models?model=m&access_token=[REDACTED]" in line for line in capture.lines), capture.lines
-    assert len([line for line in capture.lines if "[REDACTED]" in line]) >= 7
+    assert any("/v1/models?x=[REDACTED]" in line for line in capture.lines), capture.lines
+    assert any("/v1/models?x=not-a-key" in line for line in capture.lines), capture.lines
+    assert len([line for line in capture.lines if "[REDACTED]" in line]) >= 13
     assert not [line for line in capture.lines if API_KEY in line]
 
 

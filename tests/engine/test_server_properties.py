@@ -66,7 +66,9 @@ class FakeEngine:
     name = MODEL
     num_layers = NUM_LAYERS
     calibration = None
-    loaded = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256)))
+    loaded = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256)),
+                             device=SimpleNamespace(type="cpu"))
+    context_window = 256
 
     def render_raw(self, prompt: str) -> list[int]:
         ids = list(prompt.encode("utf-8"))

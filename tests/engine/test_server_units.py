@@ -219,6 +219,11 @@ def test_query_secrets_are_redacted() -> None:
     assert redact_query("key=value, but no query string") == "key=value, but no query string"
     assert has_secret_param(b"model=m&apikey=") and has_secret_param("Token=x")
     assert not has_secret_param(b"model=m&q=key") and not has_secret_param(b"")
+    # A configured key is a secret under any name, encoded or not; other values are left alone.
+    is_key = {"sk-live"}.__contains__
+    assert redact_query("/v1/models?x=sk-live&y=sk-other", is_key) == "/v1/models?x=[REDACTED]&y=sk-other"
+    assert redact_query("/v1/models?x=sk%2Dlive", is_key) == "/v1/models?x=[REDACTED]"
+    assert has_secret_param(b"x=sk-live", is_key) and not has_secret_param(b"x=sk-other", is_key)
 
 
 def test_the_log_filter_rewrites_uvicorn_access_lines_and_is_installed_once() -> None:
