@@ -229,7 +229,7 @@ def main() -> None:
     st.subheader(f"Cost per month by line ({basis.value} basis)")
     st.dataframe(pd.DataFrame(cost_rows(result, basis)), hide_index=True, width="stretch")
     times = result.gpu_time
-    st.caption(f"{summary.time_label}: before {number(times.before_s, 's/request')} "
+    st.caption(f"{times.label(summary.time_label)}: before {number(times.before_s, 's/request')} "
                f"({times.before_provenance.value}), after {number(times.after_s, 's/request')} "
                f"({times.after_provenance.value}).")
     left, right = st.columns(2)

@@ -117,6 +117,17 @@ class GpuTime(BaseModel):
     after_provenance: Provenance
     factor: float
 
+    @property
+    def entered(self) -> bool:
+        """Whether a time per request was typed in (a production GPU time) rather than read from the store:
+        then it is not the store's CPU or GPU time, and no caveat about where the store measured applies."""
+        return Provenance.USER_ENTERED in (self.before_provenance, self.after_provenance)
+
+    def label(self, measured_label: str) -> str:
+        """What these times are: `measured_label` (the store's, e.g. 'CPU time per request (measured on
+        cpu: <name>)') unless one was entered."""
+        return "GPU time per request (user-entered)" if self.entered else measured_label
+
 
 class RoiResult(BaseModel):
     """Everything the app and the report show, computed once from ResolvedInputs."""

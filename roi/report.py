@@ -167,10 +167,10 @@ def _priced_as_gpu_time(summary: MeasuredSummary) -> str:
 
 def _savings_blocks(summary: MeasuredSummary, result: RoiResult, charts: dict[str, bytes]) -> list[Block]:
     times, alloc = result.gpu_time, result.allocation
-    caveat = _priced_as_gpu_time(summary)
+    caveat = "" if times.entered else _priced_as_gpu_time(summary)
     blocks: list[Block] = [
         Heading("Savings and their basis"),
-        Para(f"{_e(summary.time_label)} is {_e(number(times.before_s, 's/request'))} before pruning "
+        Para(f"{_e(times.label(summary.time_label))} is {_e(number(times.before_s, 's/request'))} before pruning "
              f"({times.before_provenance.value}) and {_e(number(times.after_s, 's/request'))} after "
              f"({times.after_provenance.value}). On the allocation basis the busy GPU hours need "
              f"{alloc.gpus_before} reserved GPU(s) before pruning and {alloc.gpus_after} after; on the usage basis "
@@ -256,7 +256,7 @@ def _basis_text(summary: MeasuredSummary, result: RoiResult) -> str:
 
 
 def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
-    caveat = _priced_as_gpu_time(summary)
+    caveat = "" if result.gpu_time.entered else _priced_as_gpu_time(summary)
     blocks: list[Block] = [
         Heading("Method and assumptions"),
         Bullets((

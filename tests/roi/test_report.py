@@ -182,3 +182,20 @@ def test_mixed_devices_are_named_and_not_called_gpu_time() -> None:
     assert summary.timing_devices == {"cpu: Test CPU": 2, "cuda: NVIDIA H200": 4, "device not recorded": 1}
     assert summary.time_label == ("Time per request (measured on cpu: Test CPU and cuda: NVIDIA H200, "
                                   "device not recorded for 1 result(s))")
+
+
+def test_an_entered_time_per_request_is_not_called_the_stores_cpu_time() -> None:
+    """A production GPU time typed in replaces the store's CPU time: the report names it as entered and drops
+    the caveat that tells the reader to enter one."""
+    from dataclasses import replace
+
+    from roi.report import build_report
+    from tests.roi.factories import T0, WINDOW, measured_basis_results
+
+    results = [replace(r, device="cpu", device_name="Test CPU 9000") for r in measured_basis_results()]
+    data = build_report(results, WINDOW, Assumptions(dense_inference_s=0.05), 30, now=T0)
+    words = _words(data)
+    assert "GPU time per request (user-entered) is 0.05" in words
+    assert "CPU time per request (measured on cpu: Test CPU 9000) is" not in words
+    assert "it was not measured on a GPU" not in words
+    assert data.result.gpu_time.before_provenance.value == "user-entered"
