@@ -101,11 +101,13 @@ class RunRow:
     speedup_vs_dense_paired: float | None = None
     fraction_of_bound_paired: float | None = None
     # Where a step's time goes (bench.step_products): the weight products of one real decode step of this
-    # plan replayed alone (the same modules on the inputs they received, eager module calls; compiled runs
-    # share their eager run's), median over replays; the rest is the median step's time minus them: norms,
-    # attention, cache, Python or guards, which skipping rows does not shorten. For pruned runs the
-    # products' speedup against the dense step's products, and that over the bound.
+    # plan replayed alone right after each round's run (the same modules on the inputs they received, as
+    # eager module calls; a compiled run replays its plan's), median over rounds; the rest is the median over
+    # rounds of the round's step time minus its products: norms, attention, cache, Python or guards, which
+    # skipping rows does not shorten. For pruned runs the products' speedup within rounds against the dense
+    # run's products, and that over the bound.
     products_ms_per_token: float | None = None
+    rounds_products_ms: list[float] = field(default_factory=list)  # per round, as `rounds`
     rest_ms_per_token: float | None = None
     products_speedup_vs_dense: float | None = None
     products_fraction_of_bound: float | None = None
@@ -290,7 +292,9 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
         logger.info("%s %s warm-up %.1f s", subject.name, name, time.perf_counter() - started)
     if compiled and engine.compiled_decode(True) is None:
         raise RuntimeError(f"the compiled decode step failed to compile: {engine.compiled_decode_failure}")
+    products = StepReplays.capture(subject, plan)
     rates: dict[str, list[float]] = {name: [] for name in runs}
+    products_ms: dict[str, list[float]] = {name: [] for name in runs}  # per round: its products, right after it
     ledgers: dict[str, object] = {}
     tokens: dict[str, list[int]] = {}
     samples: list[float] = []
@@ -308,12 +312,13 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
                 samples.append(before)
                 paired[name].append((before + after) / 2)
                 before = after
+            products_ms[name].append(products.ms(name.removesuffix("-compiled")))
         if before is not None:
             samples.append(before)
         logger.info("%s round %d: %s (load %.1f)", subject.name, r + 1,
                     {k: round(v[-1], 2) for k, v in rates.items()}, os.getloadavg()[0])
-    products_ms = step_products_ms(subject, plan)
-    logger.info("%s weight products per step: %s ms", subject.name, {k: round(v, 2) for k, v in products_ms.items()})
+    logger.info("%s weight products per step: %s ms", subject.name,
+                {k: round(statistics.median(v), 2) for k, v in products_ms.items()})
     steps = new_tokens - 1
     if "dense-compiled" in ledgers and ledgers["dense-compiled"].decode_bytes_read != ledgers["dense"].decode_bytes_read:
         raise RuntimeError(f"{subject.name}: the compiled dense step counted {ledgers['dense-compiled'].decode_bytes_read} "
@@ -353,11 +358,14 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             row.fraction_of_bound_paired = round(within_rounds / bound, 4)
             row.decode_pruning_ratio = round(pruned.decode_pruning_ratio, 6)
             row.fallback = fallback
-        eager_name = name.removesuffix("-compiled")
-        row.products_ms_per_token = round(products_ms[eager_name], 3)
-        row.rest_ms_per_token = round(1e3 / medians[name] - products_ms[eager_name], 3)
-        if pruned is not None:
-            row.products_speedup_vs_dense = round(products_ms["dense"] / products_ms["pruned"], 4)
+        row.rounds_products_ms = [round(v, 3) for v in products_ms[name]]
+        row.products_ms_per_token = round(statistics.median(products_ms[name]), 3)
+        row.rest_ms_per_token = round(statistics.median(
+            1e3 / rate - replayed for rate, replayed in zip(rates[name], products_ms[name])), 3)
+        if pruned is not None:  # within rounds, against the dense plan's products replayed beside its dense run
+            dense_name = name.replace("pruned", "dense")
+            row.products_speedup_vs_dense = round(statistics.median(
+                dense / pruned_ms for dense, pruned_ms in zip(products_ms[dense_name], products_ms[name])), 4)
             row.products_fraction_of_bound = round(row.products_speedup_vs_dense / row.bound, 4)
         if name.endswith("-compiled"):
             eager = tokens[name.removesuffix("-compiled")]
@@ -366,31 +374,44 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
     return rows, samples
 
 
-def step_products_ms(subject: _Subject, plan, reps: int = 15) -> dict[str, float]:
-    """Milliseconds of one decode step's weight products, replayed alone (bench.step_products), for plain
-    transformers, the engine's dense step and its step under `plan`; each replay is first checked to
-    reproduce the outputs its step computed, so what is timed is the step's work."""
-    from engine.execution import ExecutionLedger, ExecutionPlan, executing
+class StepReplays:
+    """One real decode step's weight products per plan (bench.step_products): plain transformers, the
+    engine's dense step and its step under the default plan, each replayed alone beside the run it belongs
+    to, so the products and the step they are subtracted from meet the same load of a shared host."""
 
-    engine, dense = subject.engine, ExecutionPlan()
-    model = engine.loaded.model
-    captured = {
-        "plain": capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3)),
-        "dense": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, dense, 3, compiled=False)),
-        "pruned": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, plan, 3, compiled=False)),
-    }
-    contexts = {"plain": contextlib.nullcontext, "dense": lambda: executing(dense, ExecutionLedger()),
-                "pruned": lambda: executing(plan, ExecutionLedger())}
-    for name, products in captured.items():
-        for (module, _), step_output, replayed in zip(products.calls, products.outputs,
-                                                      replay(products, contexts[name])):
-            if not torch.allclose(replayed, step_output, rtol=1e-4, atol=1e-5):
-                raise RuntimeError(f"{subject.name} {name}: replaying {type(module).__name__} did not reproduce "
-                                   "the step's output")
-    device = engine.loaded.device
-    times = time_replays(list(captured.values()), [contexts[name] for name in captured], reps,
-                         lambda: _synchronize(device))
-    return {name: median_ms(seconds) for name, seconds in zip(captured, times)}
+    REPS = 3  # replays per run: the median, against one replay's outliers
+
+    def __init__(self, captured: dict, contexts: dict, device: torch.device) -> None:
+        self.captured, self.contexts, self.device = captured, contexts, device
+
+    @classmethod
+    def capture(cls, subject: _Subject, plan) -> StepReplays:
+        """Capture the three steps; each replay is first checked to reproduce the outputs its step computed,
+        so what is timed is the step's work."""
+        from engine.execution import ExecutionLedger, ExecutionPlan, executing
+
+        engine, dense = subject.engine, ExecutionPlan()
+        model = engine.loaded.model
+        captured = {
+            "plain": capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3)),
+            "dense": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, dense, 3, compiled=False)),
+            "pruned": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, plan, 3, compiled=False)),
+        }
+        contexts = {"plain": contextlib.nullcontext, "dense": lambda: executing(dense, ExecutionLedger()),
+                    "pruned": lambda: executing(plan, ExecutionLedger())}
+        for name, products in captured.items():
+            for (module, _), step_output, replayed in zip(products.calls, products.outputs,
+                                                          replay(products, contexts[name])):
+                if not torch.allclose(replayed, step_output, rtol=1e-4, atol=1e-5):
+                    raise RuntimeError(f"{subject.name} {name}: replaying {type(module).__name__} did not "
+                                       "reproduce the step's output")
+        return cls(captured, contexts, engine.loaded.device)
+
+    def ms(self, name: str) -> float:
+        """Milliseconds of the products of `name`'s step (plain, dense or pruned), median of REPS replays."""
+        (times,) = time_replays([self.captured[name]], [self.contexts[name]], self.REPS,
+                                lambda: _synchronize(self.device))
+        return median_ms(times)
 
 
 def paired_ratio(rates: Sequence[float], baseline: Sequence[float]) -> float:
