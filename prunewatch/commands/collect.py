@@ -100,8 +100,11 @@ def db_upgrade_command(
     except Exception as exc:  # alembic's own errors: an unknown revision, for one
         raise fail(f"cannot migrate to {revision!r}: {str(exc).splitlines()[0]}")
     engine.dispose()
-    typer.echo(f"store {safe_url(db)}: schema {before or 'empty'} -> {after}"
-               + (" (already current)" if before == after else ""))
+    unchanged = ""
+    if before == after:  # alembic's upgrade to an older revision does nothing, silently
+        unchanged = " (already current)" if revision in ("head", after) else \
+            f" (already past {revision}: an upgrade never goes back, nothing changed)"
+    typer.echo(f"store {safe_url(db)}: schema {before or 'empty'} -> {after}{unchanged}")
 
 
 def db_prune_command(

@@ -244,6 +244,9 @@ def test_db_commands_against_postgres(postgres):
     assert "schema empty -> 0006" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
     again = runner.invoke(cli(), ["db", "upgrade", "--db", url])
     assert "schema 0006 -> 0006 (already current)" in again.output
+    older = runner.invoke(cli(), ["db", "upgrade", "--db", url, "--revision", "0003"])
+    assert older.exit_code == 0
+    assert "schema 0006 -> 0006 (already past 0003: an upgrade never goes back, nothing changed)" in older.output
     engine = connect(url)
     seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
     engine.dispose()

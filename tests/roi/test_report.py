@@ -199,3 +199,19 @@ def test_an_entered_time_per_request_is_not_called_the_stores_cpu_time() -> None
     assert "CPU time per request (measured on cpu: Test CPU 9000) is" not in words
     assert "it was not measured on a GPU" not in words
     assert data.result.gpu_time.before_provenance.value == "user-entered"
+
+
+def test_roi_command_on_a_taken_port_is_one_line_before_streamlit_starts(collected_sqlite: str) -> None:
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        outcome = CliRunner().invoke(_cli(), ["roi", "--db", collected_sqlite, "--port", str(port)])
+    finally:
+        taken.close()
+    assert outcome.exit_code == 2
+    assert outcome.output.startswith(f"error: cannot serve the ROI app on 127.0.0.1:{port}: ")
+    assert len(outcome.output.strip().splitlines()) == 1
