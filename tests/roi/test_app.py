@@ -90,8 +90,10 @@ def test_overriding_dense_time_is_user_entered(monkeypatch, collected_sqlite: st
     expected = _expected(collected_sqlite, Basis.ALLOCATION, dense_inference_s=2.0)
     assert metrics["Cost before / month"] == expected["Cost before / month"]
     assert _provenance(app)["GPU time per request before pruning"] == "user-entered"
-    caption = next(c.value for c in app.caption if c.value.startswith("CPU time per request (measured on cpu"))
+    # The entered time is not the store's CPU time: the caption names it as entered.
+    caption = next(c.value for c in app.caption if c.value.startswith("GPU time per request (user-entered)"))
     assert "before 2.000 s (user-entered)" in caption and caption.endswith("(estimated).")
+    assert not [c for c in app.caption if c.value.startswith("CPU time per request (measured on cpu")]
 
 
 def test_zero_traffic_shows_a_message_instead_of_numbers(monkeypatch, collected_sqlite: str) -> None:
