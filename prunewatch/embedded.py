@@ -135,6 +135,8 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
     try:
         with live:
             run_until_done(scheduler, on_interrupt=lambda: console.print("stopping: finishing the probe in flight"))
+        if not console.is_terminal:  # written to a file or pipe, the last table ends without a newline
+            console.line()
     finally:
         if server is not None:
             server.shutdown()
