@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
-from bench.step_products import capture_step, median_ms, replay, time_replays
+from bench.step_products import capture_step, median_ms, replay, time_replay
 
 logger = logging.getLogger("prunewatch.bench.speed")
 
@@ -409,9 +409,8 @@ class StepReplays:
 
     def ms(self, name: str) -> float:
         """Milliseconds of the products of `name`'s step (plain, dense or pruned), median of REPS replays."""
-        (times,) = time_replays([self.captured[name]], [self.contexts[name]], self.REPS,
-                                lambda: _synchronize(self.device))
-        return median_ms(times)
+        return median_ms(time_replay(self.captured[name], self.contexts[name], self.REPS,
+                                     lambda: _synchronize(self.device)))
 
 
 def paired_ratio(rates: Sequence[float], baseline: Sequence[float]) -> float:

@@ -30,10 +30,6 @@ class StepProducts:
     calls: list[tuple[nn.Module, torch.Tensor]]
     outputs: list[torch.Tensor]  # what each call returned in the step, to check a replay against
 
-    @property
-    def modules(self) -> int:
-        return len(self.calls)
-
 
 def product_modules(model: nn.Module) -> list[nn.Module]:
     """The outermost modules that compute a weight product: the engine's wrappers (which read their own
@@ -85,18 +81,14 @@ def replay(products: StepProducts, context: Callable[[], contextlib.AbstractCont
         return [module(x) for module, x in products.calls]
 
 
-def time_replays(products: Sequence[StepProducts], contexts: Sequence[Callable[[], contextlib.AbstractContextManager]],
-                 reps: int, synchronize: Callable[[], None] = lambda: None) -> list[list[float]]:
-    """Seconds per replay of each captured step, `reps` times each; the steps alternate, their order
-    reversed every other rep, so a load that comes and goes falls on all of them."""
-    if len(products) != len(contexts):
-        raise ValueError(f"{len(products)} captured steps, {len(contexts)} contexts")
-    times: list[list[float]] = [[] for _ in products]
-    order = list(range(len(products)))
-    for rep in range(reps):
-        for i in (order if rep % 2 == 0 else order[::-1]):
-            with _timed(times[i], synchronize):
-                replay(products[i], contexts[i])
+def time_replay(products: StepProducts, context: Callable[[], contextlib.AbstractContextManager], reps: int,
+                synchronize: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds of each of `reps` replays of one captured step under `context` (bench.speed replays each run's
+    products right after the run, so they meet the load that run met)."""
+    times: list[float] = []
+    for _ in range(reps):
+        with _timed(times, synchronize):
+            replay(products, context)
     return times
 
 

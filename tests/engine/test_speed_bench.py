@@ -15,6 +15,13 @@ TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layer
                         num_key_value_heads=2, vocab_size=4096)
 
 
+def stored(*values: float, digits: int = 3) -> float:
+    """The relative error a ratio of `values` (each stored rounded to `digits` decimals, the stored ratio among
+    them) may carry: small rates on a loaded host make it larger than any fixed tolerance."""
+    half = 0.5 * 10 ** -digits
+    return sum(half / abs(v) for v in values if v) + 1e-4
+
+
 @pytest.fixture(scope="module")
 def speed_result(tmp_path_factory, probe_model_dir, calibration_dir):
     out = tmp_path_factory.mktemp("speed")
@@ -60,23 +67,28 @@ def test_speed_bench_figures_are_consistent(speed_result):
         assert rows["dense-compiled"]["agreement_with_eager"] == rows["pruned-compiled"]["agreement_with_eager"] == 1.0
         assert dense["agreement_with_eager"] is None
         assert rows["pruned-compiled"]["speedup_vs_dense"] == pytest.approx(
-            rows["pruned-compiled"]["tokens_per_s"] / rows["dense-compiled"]["tokens_per_s"], rel=1e-3)
+            rows["pruned-compiled"]["tokens_per_s"] / rows["dense-compiled"]["tokens_per_s"],
+            rel=stored(rows["pruned-compiled"]["tokens_per_s"], rows["dense-compiled"]["tokens_per_s"])
+            + stored(rows["pruned-compiled"]["speedup_vs_dense"], digits=4))
         # The default operating point ran sparse on the probe model's prompt: s and f measured, bound from them.
         s, f = pruned["decode_sparsity"], pruned["pruneable_share"]
         assert 0.0 <= s < 1.0 and 0.0 <= f <= 1.0
         assert pruned["bound"] == pytest.approx(1.0 / (1.0 - s * f), abs=1e-3)
-        assert pruned["fraction_of_bound"] == pytest.approx(pruned["speedup_vs_dense"] / pruned["bound"], rel=1e-3)
+        assert pruned["fraction_of_bound"] == pytest.approx(pruned["speedup_vs_dense"] / pruned["bound"], rel=stored(
+            pruned["speedup_vs_dense"], pruned["bound"], pruned["fraction_of_bound"], digits=4))
         if pruned["fallback"] is None and s > 0:
             assert pruned["bytes_per_token"] < dense["bytes_per_token"]
         # The within-round speedups: from the stored rounds, against the run of the same round.
         for name, row in rows.items():
-            assert row["speedup_vs_plain_paired"] == pytest.approx(row["rounds"][0] / plain["rounds"][0], rel=1e-3)
+            assert row["speedup_vs_plain_paired"] == pytest.approx(row["rounds"][0] / plain["rounds"][0],
+                                                                   rel=stored(row["rounds"][0], plain["rounds"][0]))
             if name.startswith("pruned"):
                 baseline = rows[name.replace("pruned", "dense")]
                 assert row["speedup_vs_dense_paired"] == pytest.approx(
-                    row["rounds"][0] / baseline["rounds"][0], rel=1e-3)
+                    row["rounds"][0] / baseline["rounds"][0], rel=stored(row["rounds"][0], baseline["rounds"][0]))
                 assert row["fraction_of_bound_paired"] == pytest.approx(
-                    row["speedup_vs_dense_paired"] / row["bound"], rel=1e-3)
+                    row["speedup_vs_dense_paired"] / row["bound"], rel=stored(
+                        row["speedup_vs_dense_paired"], row["bound"], row["fraction_of_bound_paired"], digits=4))
             else:
                 assert row["speedup_vs_dense_paired"] is None and row["fraction_of_bound_paired"] is None
         # Where the step's time goes: products replayed alone right after each round's run, the rest from
@@ -89,10 +101,12 @@ def test_speed_bench_figures_are_consistent(speed_result):
                                                              abs=2e-3 + step_ms * 1e-3 / row["rounds"][0])
             if name.startswith("pruned"):
                 baseline = rows[name.replace("pruned", "dense")]
-                assert row["products_speedup_vs_dense"] == pytest.approx(
-                    baseline["rounds_products_ms"][0] / replayed, rel=1e-3)
+                expected = baseline["rounds_products_ms"][0] / replayed
+                assert row["products_speedup_vs_dense"] == pytest.approx(expected, rel=stored(
+                    baseline["rounds_products_ms"][0], replayed) + stored(row["products_speedup_vs_dense"], digits=4))
                 assert row["products_fraction_of_bound"] == pytest.approx(
-                    row["products_speedup_vs_dense"] / row["bound"], rel=1e-3)
+                    row["products_speedup_vs_dense"] / row["bound"], rel=stored(
+                        row["products_speedup_vs_dense"], row["bound"], row["products_fraction_of_bound"], digits=4))
             else:
                 assert row["products_speedup_vs_dense"] is None and row["products_fraction_of_bound"] is None
 

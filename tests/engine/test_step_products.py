@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.speed import _load_real, plain_decode_rate
-from bench.step_products import capture_step, product_modules, replay, time_replays
+from bench.step_products import capture_step, product_modules, replay, time_replay
 from engine.execution import ExecutionLedger, ExecutionPlan, executing
 from engine.sparse.module import SparseLinear
 from engine.sparse.output_head import ShortlistHead
@@ -65,18 +65,13 @@ def test_a_decode_without_single_row_steps_is_refused(subject):
         capture_step(subject.plain, lambda: None)
 
 
-def test_replays_are_timed_alternately_per_step(subject):
+def test_each_replay_is_timed_under_its_context(subject):
     products = capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3))
-    calls: list[str] = []
+    entered: list[int] = []
 
-    def context(name: str):
-        def enter():
-            calls.append(name)
-            return contextlib.nullcontext()
-        return enter
+    def context():
+        entered.append(len(entered))
+        return contextlib.nullcontext()
 
-    times = time_replays([products, products], [context("a"), context("b")], reps=3)
-    assert [len(t) for t in times] == [3, 3] and all(s > 0 for t in times for s in t)
-    assert calls == ["a", "b", "b", "a", "a", "b"]
-    with pytest.raises(ValueError, match="contexts"):
-        time_replays([products], [], reps=1)
+    times = time_replay(products, context, reps=3)
+    assert len(times) == 3 and all(s > 0 for s in times) and entered == [0, 1, 2]
