@@ -667,7 +667,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="prunewatch bench engine", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few steps: a smoke test")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the speed part runs: cpu (fp32, compiled kernel) or cuda (bf16, Triton kernel)")

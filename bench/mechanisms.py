@@ -306,7 +306,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.mechanisms", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="prunewatch bench mechanisms", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS / "mechanisms-cpu.json", help="JSON path")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG beside the JSON")
     parser.add_argument("--model", type=Path, default=PROBE_MODEL, help="model folder (default: the probe model)")

@@ -238,10 +238,12 @@ def _run_bench(bench_main: Callable[[list[str]], int], args: list[str]) -> None:
 bench_app = typer.Typer(help="Benchmarks: dense vs pruned in one run, ratios against the baseline.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+# Each bench parses its own arguments (argparse), --help included, so that help lists its options.
+_BENCH_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 app.add_typer(models_app, name="models")
 
 
-@bench_app.command("engine", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("engine", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_engine_command(ctx: typer.Context) -> None:
     """Decode tokens/s dense vs activation-sparse (batch 1, 4, 8) and probe-model quality vs sparsity."""
     from bench.engine import main as bench_main
@@ -249,7 +251,7 @@ def bench_engine_command(ctx: typer.Context) -> None:
     _run_bench(bench_main, list(ctx.args))
 
 
-@bench_app.command("mechanisms", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("mechanisms", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_mechanisms_command(ctx: typer.Context) -> None:
     """Pruning ratio, quality and decode speed of layer bypass, head gating and activation sparsity
     on the probe model, each alone and combined, against dense in the same run."""
@@ -258,7 +260,7 @@ def bench_mechanisms_command(ctx: typer.Context) -> None:
     _run_bench(bench_main, list(ctx.args))
 
 
-@bench_app.command("frontier", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("frontier", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_frontier_command(ctx: typer.Context) -> None:
     """Decode pruning ratio against agreement, held-out perplexity and decode speed for each mechanism and
     allocation (TEAL's uniform rule as the baseline), all in one run; JSON + plot in bench/results."""
@@ -267,7 +269,7 @@ def bench_frontier_command(ctx: typer.Context) -> None:
     _run_bench(bench_main, list(ctx.args))
 
 
-@bench_app.command("speed", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("speed", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_speed_command(ctx: typer.Context) -> None:
     """The machine's read bandwidth, then plain transformers, engine dense and engine at its defaults decoding
     the real model and the 0.67 B shape, interleaved: tokens/s, bytes per token, share of bandwidth, bound."""

@@ -174,6 +174,17 @@ def test_bench_on_a_damaged_model_is_one_line_exit_2_and_writes_nothing(tmp_path
     assert not out.exists()
 
 
+@pytest.mark.parametrize("bench, option", [("engine", "--quick"), ("mechanisms", "--model"),
+                                           ("frontier", "--model"), ("speed", "--rounds")])
+def test_bench_help_lists_the_benchmarks_own_options(bench, option):
+    """Each benchmark parses its own arguments: `--help` reaches that parser, which lists its options (the
+    command group's help alone named none of them) and runs nothing."""
+    result = run_cli("bench", bench, "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"usage: prunewatch bench {bench}" in result.stdout
+    assert option in result.stdout
+
+
 @pytest.mark.parametrize("case", ["bad-probes", "bad-db", "sqlite-folder-missing", "sensitivity", "port-taken"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_dir, case):
     db = tmp_path / "out.db"
