@@ -14,7 +14,7 @@ import torch
 
 from engine.sparse import SparseKernelUnavailableError, sparse_linear
 
-SHAPES = [(7, 5), (300, 200), (513, 130), (2048, 96), (64, 1030)]  # (in, out): odd sizes hit group/tile tails
+SHAPES = [(7, 5), (300, 200), (513, 130), (2048, 96), (64, 1030), (40, 1601)]  # (in, out): odd sizes hit group/tile tails
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias, scale: torch.Tensor, threshold: float):
