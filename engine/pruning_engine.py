@@ -55,6 +55,28 @@ class DecodeMeasurement:
         return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
 
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
+MAX_STOP_CHARS = 256  # streaming holds back one character less than the longest stop sequence
+
+
+def _stop_sequences(stop: Sequence[str] | str) -> tuple[str, ...]:
+    """The request's stop strings, checked: an empty one would end every answer before its first character."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidRequestError("stop sequences must be non-empty strings")
+    if max((len(s) for s in stops), default=0) > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"a stop sequence is longer than {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int:
+    """Where the earliest stop sequence begins in `text`; -1 when none appears."""
+    found = [at for at in (text.find(s) for s in stops) if at >= 0]
+    return min(found) if found else -1
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
@@ -369,12 +391,15 @@ class PruningEngine:
         use_cache: bool = True,
         request_id: str | None = None,
         prompt_ids: Sequence[int] | None = None,
+        stop: Sequence[str] = (),
     ) -> Iterator[TokenDelta | GenerationResult]:
         """Yield TokenDelta pieces as tokens are produced, then the GenerationResult.
 
         `prompt_ids`, when given, are the already rendered prompt (a caller that tokenized it to
         check limits, or a raw completion prompt from `render_raw`); `prompt`/`messages` then only
-        feed the anomaly checks.
+        feed the anomaly checks. `stop`: strings that end the completion where one first appears in the
+        generated text, which is cut before it (finish_reason "stop"); while streaming, the last
+        len(longest stop) - 1 characters wait until they cannot begin one.
         """
         started = time.perf_counter()
         sensitivity = self.settings.sensitivity if sensitivity is None else float(sensitivity)
@@ -383,6 +408,7 @@ class PruningEngine:
         max_new_tokens = self.settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stops = _stop_sequences(stop)
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
         if not prompt_ids:
@@ -398,7 +424,9 @@ class PruningEngine:
 
         ledger = ExecutionLedger()
         tokens: list[int] = []
-        text_so_far = ""
+        text_so_far = ""  # what was yielded
+        stopped_at = -1  # where a stop sequence begins in the text; -1 while none has appeared
+        hold = max((len(s) for s in stops), default=1) - 1  # trailing characters that may begin a stop sequence
         first_token_at = None
         tokenizer = self.loaded.tokenizer
         with PeakMemory(self.loaded.device) as memory:
@@ -409,15 +437,22 @@ class PruningEngine:
                 if token in self._eos_ids:
                     break
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
-                if len(text) > len(text_so_far) and not text.endswith("\ufffd"):
-                    yield TokenDelta(text[len(text_so_far):], token)
-                    text_so_far = text
+                stopped_at = _first_stop(text, stops)
+                if stopped_at >= 0:
+                    break
+                ready = len(text) - hold
+                if ready > len(text_so_far) and not text.endswith("\ufffd"):
+                    yield TokenDelta(text[len(text_so_far):ready], token)
+                    text_so_far = text[:ready]
             if self.loaded.device.type == "cuda":
                 torch.cuda.synchronize(self.loaded.device)
             inferred = time.perf_counter()
 
-            finish_reason = "stop" if tokens and tokens[-1] in self._eos_ids else "length"
+            ended_by_eos = bool(tokens) and tokens[-1] in self._eos_ids
+            finish_reason = "stop" if ended_by_eos or stopped_at >= 0 else "length"
             text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if stopped_at >= 0:
+                text = text[:stopped_at]
             if len(text) > len(text_so_far):
                 yield TokenDelta(text[len(text_so_far):], tokens[-1])
             report = None
@@ -425,7 +460,10 @@ class PruningEngine:
             if quality:  # its own figure: the dense re-run is not part of this request's postprocessing
                 quality_started = time.perf_counter()
                 if plan.skips_work:
-                    dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), max_new_tokens, True))
+                    # A stop sequence ended the answer where its text did: the dense reference is scored over
+                    # as many tokens, not over the text the client never received.
+                    reference_tokens = len(tokens) if stopped_at >= 0 else max_new_tokens
+                    dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
                 else:
                     dense = tokens
                 report = score_against_dense(self.instrumented, prompt_ids, dense, plan, self.loaded.device)

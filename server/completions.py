@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 
 from engine.errors import InvalidRequestError
 from engine.hardware import device_model_name
-from engine.pruning_engine import PruningEngine, TokenDelta
+from engine.pruning_engine import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, PruningEngine, TokenDelta
 from engine.settings import LogLevel
 from engine.stats import GenerationResult, RequestStats
 from server.admission import AdmissionQueue, GenerationJob, QueueFullError, Slot
@@ -61,10 +61,27 @@ class GenerationSpec:
     max_new_tokens: int
     pruning: PruningRequest
     stream: bool
+    stop: tuple[str, ...] = ()  # strings that end the completion (OpenAI's `stop`)
 
     @property
     def response_id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
+
+
+def _stop_sequences(stop: str | list[str] | None, param: str) -> tuple[str, ...]:
+    """OpenAI's `stop`: one string or a list of at most four; null, "" and [] ask for none."""
+    if not stop:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise APIError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES} are allowed",
+                       param=param, code="invalid_value")
+    if not all(stops):
+        raise APIError(400, "stop sequences must be non-empty strings", param=param, code="invalid_value")
+    if max(len(s) for s in stops) > MAX_STOP_CHARS:
+        raise APIError(400, f"a stop sequence is longer than {MAX_STOP_CHARS} characters", param=param,
+                       code="invalid_value")
+    return stops
 
 
 def prunewatch_block(stats: RequestStats, queue_ms: float, device_name: str | None = None) -> dict[str, Any]:
@@ -130,9 +147,7 @@ class CompletionService:
         if body.model != self.engine.name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                                 f"`{self.engine.name}`.", param=f"{param_prefix}model", code="model_not_found")
-        if body.stop:
-            raise APIError(400, "stop sequences are not supported yet", param=f"{param_prefix}stop",
-                           code="unsupported_parameter")
+        stop = _stop_sequences(body.stop, f"{param_prefix}stop")
         requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
         max_new = requested or self.settings.default_max_tokens
         if max_new > self.settings.max_tokens_limit:
@@ -170,7 +185,7 @@ class CompletionService:
             pruning = await asyncio.to_thread(apply_policy, self.policy, self.engine, ids, pruning)
         return GenerationSpec(kind=kind, request_id=uuid.uuid4().hex, prompt=prompt, messages=messages,
                               prompt_ids=tuple(ids), prompt_tokens=len(ids), max_new_tokens=max_new, pruning=pruning,
-                              stream=bool(body.stream))
+                              stream=bool(body.stream), stop=stop)
 
     # -- admission and running ---------------------------------------------------------------
     def admit(self, count: int = 1) -> list[Slot]:
@@ -195,6 +210,7 @@ class CompletionService:
                 quality=spec.pruning.quality,
                 request_id=spec.request_id,
                 prompt_ids=list(spec.prompt_ids),
+                stop=spec.stop,
             )
 
         return self.queue.start(slot, run)

@@ -1,8 +1,8 @@
 """Request and response bodies, mirroring OpenAI's chat and legacy completions APIs.
 
 Unknown request fields are ignored, as OpenAI-compatible servers commonly do, so clients that send
-newer OpenAI options still work; options this engine cannot honour (several choices, stop
-sequences) are rejected explicitly rather than silently ignored. Decoding is greedy: `temperature`,
+newer OpenAI options still work; options this engine cannot honour (several choices) are rejected
+explicitly rather than silently ignored. Decoding is greedy: `temperature`,
 `top_p` and `seed` are accepted for compatibility and have no effect (reported as
 `prunewatch.decoding = "greedy"`).
 """
@@ -74,7 +74,9 @@ class _GenerationParams(_Request):
     n: Annotated[int | None, Field(ge=1, le=1)] = Field(None, description="Only one choice is generated.")
     stream: bool | None = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = Field(None, description="Not supported yet: a non-empty value is a 400.")
+    stop: Text | list[Text] | None = Field(
+        None, description="Up to 4 non-empty strings (256 characters at most each): the completion ends where one "
+                          "first appears, and its text is cut before it (finish_reason \"stop\").")
     seed: int | None = Field(None, description="Accepted; greedy decoding is deterministic anyway.")
     user: Text | None = None
 

@@ -181,6 +181,22 @@ def test_sdk_completion_stream_with_overrides(sdk: openai.OpenAI, engine: Prunin
     assert stats["sensitivity"] == 1.0 and not {1, 2} & set(stats["layers_bypassed"])
 
 
+def test_sdk_stop_sequences_cut_the_answer_streamed_or_not(sdk: openai.OpenAI, engine: PruningEngine) -> None:
+    """OpenAI's `stop`: the answer ends where a stop sequence first appears, without it, finish_reason "stop";
+    streamed, the pieces add up to the same text."""
+    whole = engine.generate(messages=CHAT, max_new_tokens=16).text
+    start = next(i for i in range(len(whole) // 3, len(whole) - 3) if whole.find(whole[i:i + 3]) > 0
+                 and whole[i:i + 3].strip())
+    stop = whole[start:start + 3]
+    cut = whole[:whole.find(stop)]
+    answer = sdk.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=16, stop=[stop, "\x00absent"])
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (cut, "stop")
+    assert answer.usage.completion_tokens < 16
+    chunks = list(sdk.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=16, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_sdk_models_and_errors(sdk: openai.OpenAI, engine: PruningEngine, base_url: str) -> None:
     assert [m.id for m in sdk.models.list().data] == [engine.name]
     assert sdk.models.retrieve(engine.name).id == engine.name
@@ -264,8 +280,11 @@ def test_400_for_bad_pruning_headers_and_parameters(http: httpx.Client, engine: 
         ({}, {"max_completion_tokens": 40},
          error("max_completion_tokens is 40, above this server's limit of 16", param="max_completion_tokens",
                code="max_tokens_exceeded")),
-        ({}, {"stop": ["\n"]},
-         error("stop sequences are not supported yet", param="stop", code="unsupported_parameter")),
+        ({}, {"stop": ["a", "b", "c", "d", "e"]},
+         error("stop has 5 sequences; at most 4 are allowed", param="stop", code="invalid_value")),
+        ({}, {"stop": ["\n", ""]}, error("stop sequences must be non-empty strings", param="stop", code="invalid_value")),
+        ({}, {"stop": "x" * 257},
+         error("a stop sequence is longer than 256 characters", param="stop", code="invalid_value")),
     ]
     for headers, extra, expected in cases:
         response = http.post("/v1/chat/completions", json=chat_body(engine, **extra), headers={**AUTH, **headers})
