@@ -3,37 +3,23 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 from sqlalchemy import Engine, inspect
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from records.results import ProbeResult
-from records.store import ResultRepository, StoreUnavailableError, connect
+from records.store import ResultRepository, StoreUnavailableError, connect_existing
 from roi.errors import RoiStoreError
 from roi.measured import Window
-
-
-def _check_sqlite_file(url: str) -> None:
-    """Refuse a SQLite path that does not exist: connecting would silently create an empty store."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise RoiStoreError(f"invalid database URL: {exc}") from exc
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        if not Path(parsed.database).is_file():
-            raise RoiStoreError(f"no result store at {parsed.database}; run `prunewatch run --db {url}` first")
 
 
 @contextmanager
 def _store_with_results(url: str) -> Iterator[Engine]:
     """An Engine on a store that exists and has a results table; RoiStoreError otherwise."""
-    _check_sqlite_file(url)
     try:
-        engine = connect(url)
+        engine = connect_existing(url)
     except StoreUnavailableError as exc:
         raise RoiStoreError(str(exc)) from exc
     try:

@@ -91,8 +91,9 @@ class ServeAddressError(RuntimeError):
     """The server cannot listen where it was asked to (port taken, address not of this host, bad name)."""
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port for uvicorn to listen on; ServeAddressError (one line) when it cannot be.
+def bind_listener(host: str, port: int, what: str | None = None) -> socket.socket:
+    """A TCP socket bound to host:port for uvicorn to listen on; ServeAddressError (one line, naming `what`
+    is served when given) when it cannot be.
 
     Bound before the model loads, and handed to uvicorn, so the address is held from then on: a port
     another process takes meanwhile cannot make a loaded engine fail at its last step."""
@@ -103,7 +104,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ServeAddressError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+        served = f" {what}" if what else ""
+        raise ServeAddressError(f"cannot serve{served} on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
 

@@ -50,9 +50,9 @@ def roi_command(
     from server.run import ServeAddressError, bind_listener
 
     try:  # Streamlit's own message for a taken port is not one line with exit 2
-        bind_listener(host, port).close()
+        bind_listener(host, port, what="the ROI app").close()
     except ServeAddressError as exc:
-        raise fail(str(exc).replace("cannot serve on", "cannot serve the ROI app on"))
+        raise fail(str(exc))
     env = {**os.environ, STORE_URL_ENV: db, DEFAULT_DAYS_ENV: str(days)}
     lock = "password required" if os.environ.get(PASSWORD_ENV) else f"no password (set {PASSWORD_ENV} to require one)"
     typer.echo(f"ROI app on http://{host}:{port} for store {safe_url(db)}; {lock}; Ctrl-C stops it")

@@ -78,7 +78,8 @@ def connect_existing(url: str) -> Engine:
     """
     path = sqlite_file(url)
     if path is not None and not path.is_file():
-        raise StoreUnavailableError(f"no store at {safe_url(url)} (the SQLite file does not exist)")
+        raise StoreUnavailableError(f"no result store at {path} (the SQLite file does not exist); "
+                                    f"`prunewatch run --db {safe_url(url)}` creates and fills one")
     return connect(url)
 
 

@@ -86,7 +86,8 @@ def test_eval_refuses_a_store_that_is_not_there_or_empty_and_writes_nothing(runn
     missing = tmp_path / "missing.db"
     done = runner.invoke(app, ["eval", "--db", f"sqlite:///{missing}"])
     assert done.exit_code == 2
-    assert done.output.strip() == f"error: no store at sqlite:///{missing} (the SQLite file does not exist)"
+    assert done.output.strip() == (f"error: no result store at {missing} (the SQLite file does not exist); "
+                                   f"`prunewatch run --db sqlite:///{missing}` creates and fills one")
     assert not missing.exists()
     empty = tmp_path / "empty.db"
     empty.touch()

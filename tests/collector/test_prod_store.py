@@ -269,7 +269,8 @@ def test_db_commands_bad_input(tmp_path):
     assert too_old.output.strip() == "error: --older-than: '99999999d' is longer than the longest age accepted, 36500 days"
     missing = runner.invoke(cli(), ["db", "prune", "--older-than", "90d", "--db", f"sqlite:///{tmp_path}/x.db"])
     assert missing.exit_code == 2
-    assert missing.output.strip() == f"error: no store at sqlite:///{tmp_path}/x.db (the SQLite file does not exist)"
+    assert missing.output.strip() == (f"error: no result store at {tmp_path}/x.db (the SQLite file does not exist); "
+                                      f"`prunewatch run --db sqlite:///{tmp_path}/x.db` creates and fills one")
     assert not (tmp_path / "x.db").exists()  # a mistyped path leaves nothing behind
     (tmp_path / "x.db").touch()
     unmigrated = runner.invoke(cli(), ["db", "prune", "--older-than", "90d", "--db", f"sqlite:///{tmp_path}/x.db"])
