@@ -177,6 +177,13 @@ class StoreSeries:
         for r in self.results:
             if not spec.applies_to(r):
                 continue
+            if spec.preset_reasons:  # series the exporter creates at 0 with the first result of their other labels
+                at = spec.labels.index("reason")
+                values = spec.label_values(r)
+                for reason in spec.preset_reasons:
+                    preset = tuple(zip(spec.labels, (*values[:at], reason, *values[at + 1:])))
+                    if preset not in groups:
+                        groups[preset] = ([r.created_at.timestamp()], [0.0])
             observed = spec.value(r)
             if observed is None:
                 continue

@@ -15,7 +15,7 @@ from typing import Callable, Hashable, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from records.results import ProbeResult
+from records.results import FAILURE_REASONS, ProbeResult
 
 LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
@@ -62,6 +62,9 @@ class ResultFamily:
     ok_only: bool = True  # failed results leave the family alone
     per_probe: bool = False  # bookkeeping of the prober (results, failures, wall time, last success): no live traffic
     runs: Literal["pruned", "baseline", "any"] = "pruned"  # which runs feed it: dense baselines have their own
+    # A counter's values of its `reason` label that exist at 0 from the first result of their other labels: a
+    # counter series born at 1 has no earlier sample, so rate() and increase() would not see its first increment.
+    preset_reasons: tuple[str, ...] = ()
 
     def applies_to(self, result: ProbeResult, *, live: bool = False) -> bool:
         """Whether `result` feeds this family at all (its value may still be absent)."""
@@ -96,7 +99,7 @@ RESULT_FAMILIES: tuple[ResultFamily, ...] = (
                  _DOMAIN, lambda r: r.tokens_per_s),
     ResultFamily("prunewatch_probe_failures", "counter", "Probes that failed, by reason.",
                  ("model", "domain", "reason", "target"), lambda r: None if r.ok else 1.0,
-                 ok_only=False, per_probe=True, runs="any"),
+                 ok_only=False, per_probe=True, runs="any", preset_reasons=FAILURE_REASONS),
     ResultFamily("prunewatch_probe_results", "counter", "Probe results recorded, by status.",
                  ("model", "domain", "status", "target"), lambda r: 1.0, ok_only=False, per_probe=True, runs="any"),
     ResultFamily("prunewatch_preprocessing_latency_seconds", "histogram", "Tokenize + plan time of a probe.",
@@ -151,6 +154,7 @@ class CollectorMetrics:
         self._depth: Callable[[], float] | None = None
         self.families: dict[str, Gauge | Counter | Histogram] = {
             family.name: _build(family, self.registry) for family in RESULT_FAMILIES}
+        self._preset: set[tuple[str, tuple[str, ...]]] = set()  # (family, label values) whose reasons exist
         self.buffer_depth: Gauge | None = None
         self.buffer_dropped: Counter | None = None
         self.store_write_errors: Counter | None = None
@@ -207,6 +211,8 @@ class CollectorMetrics:
             for family in RESULT_FAMILIES:
                 if not family.applies_to(result, live=live):
                     continue
+                if family.preset_reasons:
+                    self._preset_reasons(family, family.label_values(result))
                 value = family.value(result)
                 if value is None:
                     continue
@@ -219,6 +225,16 @@ class CollectorMetrics:
                     metric.observe(value)
         finally:
             self.changed()
+
+    def _preset_reasons(self, family: ResultFamily, values: tuple[str, ...]) -> None:
+        """Create the family's series for every preset reason at 0, once per set of its other labels."""
+        at = family.labels.index("reason")
+        key = (family.name, values[:at] + values[at + 1:])
+        if key in self._preset:
+            return
+        self._preset.add(key)
+        for reason in family.preset_reasons:
+            self.families[family.name].labels(*values[:at], reason, *values[at + 1:])
 
 
 def _build(family: ResultFamily, registry: CollectorRegistry) -> Gauge | Counter | Histogram:

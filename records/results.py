@@ -17,6 +17,12 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+FAILURE_REASONS = ("timeout", "unreachable", "auth", "rate_limited", "server_error", "invalid_request", "protocol",
+                   "engine_error", "exception")
+"""Every `failure_reason` a failed probe can carry (collector.probe_round.classify_failure and the targets'
+errors): the failures counter starts each at 0, so the first failure of a target is an increase."""
+
+
 @dataclass
 class ProbeResult:
     """What one probe measured. Exporters turn it into a SQL row, metric samples or a log line.
@@ -35,7 +41,7 @@ class ProbeResult:
     round_id: str
     result_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: datetime = field(default_factory=utcnow)
-    failure_reason: str | None = None  # timeout, engine_error, invalid_request, unreachable, exception
+    failure_reason: str | None = None  # one of FAILURE_REASONS
     error_message: str | None = None
     sensitivity: float | None = None
     pruning_ratio: float | None = None

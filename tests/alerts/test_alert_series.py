@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from alerts._series import GAUGES, NAME, StoreSeries, counter_names
 from records.metrics import CollectorMetrics
-from records.results import ProbeResult
+from records.results import FAILURE_REASONS, ProbeResult
 from records.store import ResultRepository, connect
 from tests.alerts.conftest import T0, result
 
@@ -75,8 +75,12 @@ def test_synthetic_results_map_to_the_collector_metrics() -> None:
     dense_count = series.counters("prunewatch_dense_inference_latency_seconds_count")
     assert [sum(s.increments) for s in dense_count] == [1.0]
     series = StoreSeries(results)
-    failures = {dict(s.labels)["reason"] for s in series.counters("prunewatch_probe_failures_total")}
+    failures = {dict(s.labels)["reason"] for s in series.counters("prunewatch_probe_failures_total") if sum(s.increments)}
     assert failures == {"timeout", "exception"}  # a failure without a reason is counted as "exception"
+    # Every reason exists (at 0) from the first result of its target, model and domain, as the exporter's do.
+    legal = {dict(s.labels)["reason"] for s in series.counters("prunewatch_probe_failures_total")
+             if dict(s.labels)["domain"] == "legal"}
+    assert legal == set(FAILURE_REASONS)
 
 
 def test_real_collector_results_map_to_the_collector_metrics(collected_sqlite: str) -> None:

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
 from records.metrics import LATENCY_BUCKETS, CollectorMetrics
+from records.results import FAILURE_REASONS
 from tests.collector.factories import ok_result
 from tests.support.servers import free_port
 
@@ -26,6 +27,41 @@ def test_samples_after_one_ok_and_one_failed_result():
     assert get("prunewatch_probe_results_total", {**labels, "status": "ok"}) == 1
     assert get("prunewatch_token_agreement", {**labels, "probe": "tech-route"}) == 0.875
     assert get("prunewatch_dram_bytes_per_instruction", {**labels, "source": "estimate"}) == 5.5
+
+
+def test_failure_counters_exist_at_zero_before_the_first_failure():
+    """rate() and increase() need a sample before an increment: a failures series born at 1 would hide the first
+    failure of a target from the failure-rate alert, so every known reason starts at 0 with the first result."""
+    metrics = CollectorMetrics(CollectorRegistry())
+    metrics.record(ok_result())
+    get = metrics.registry.get_sample_value
+    labels = {"model": "probe-llama", "domain": "tech", "target": "embedded"}
+    assert {reason: get("prunewatch_probe_failures_total", {**labels, "reason": reason})
+            for reason in FAILURE_REASONS} == dict.fromkeys(FAILURE_REASONS, 0.0)
+    metrics.record(ok_result(status="failed", failure_reason="unreachable", result_id="f" * 32))
+    assert get("prunewatch_probe_failures_total", {**labels, "reason": "unreachable"}) == 1
+    assert get("prunewatch_probe_failures_total", {**labels, "reason": "timeout"}) == 0
+    live = CollectorMetrics(CollectorRegistry())
+    live.record(ok_result(), live=True)  # served traffic is not probing: no failure series at all
+    assert live.registry.get_sample_value("prunewatch_probe_failures_total", {**labels, "reason": "timeout"}) is None
+
+
+def test_every_failure_reason_the_collector_gives_is_preset():
+    from collector.http_target import TargetHTTPError
+    from collector.probe_round import classify_failure
+    from collector.targets import TargetError
+    from engine.errors import EngineError, InvalidRequestError
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    reasons = {sub.reason for sub in subclasses(TargetError)} | {TargetError.reason}
+    reasons |= {TargetHTTPError(status, "x").reason for status in (400, 404, 429, 500, 503)}
+    reasons |= {classify_failure(exc) for exc in (TimeoutError(), InvalidRequestError("x"), EngineError("x"),
+                                                  ConnectionError(), ValueError())}
+    assert reasons == set(FAILURE_REASONS)
 
 
 def test_latency_buckets_are_the_documented_ones():
