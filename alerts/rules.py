@@ -89,6 +89,13 @@ def _value(fmt: str) -> str:
 WHERE = "{{ $labels.model }} on {{ $labels.domain }}"
 
 
+def _unmeasured(settings: RuleSettings, field: str) -> str:
+    """How a threshold nobody measured was chosen: the shipped default, or this deployment's own setting."""
+    if getattr(settings, field) == type(settings).model_fields[field].default:
+        return "is a configured default"
+    return "was set in this deployment's rule settings"
+
+
 def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
     """The alerting rules, in evaluation order."""
     s = settings
@@ -100,10 +107,10 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
         red_origin = f"{red} was measured: {s.thresholds_source}."
         risk_origin = f"(measured: {s.thresholds_source}; check token agreement)"
     else:
-        low_origin = f"{low} is a configured default, not measured on this model."
-        red_origin = (f"{red} is a configured default, not measured on this model; `prunewatch tune` measures where "
-                      "quality falls for it.")
-        risk_origin = "(a configured default, not measured on this model; check token agreement)"
+        low_origin = f"{low} {_unmeasured(s, 'ratio_low')}, not measured on this model."
+        red_origin = (f"{red} {_unmeasured(s, 'quality_red_line')}, not measured on this model; `prunewatch tune` "
+                      "measures where quality falls for it.")
+        risk_origin = f"({risk} {_unmeasured(s, 'quality_risk_ratio')}, not measured on this model; check token agreement)"
     return [
         AlertSpec(
             "PruningRatioLow", compare(PROMQL_RATIO_AVG_24H, "<", s.ratio_low), format_duration(s.ratio_low_for),

@@ -105,6 +105,12 @@ def test_thresholds_and_holds_come_from_the_settings(defaults: RuleSettings) -> 
     assert rules[("PruningRatioQualityRisk", "critical")]["expr"].endswith("> 0.5")
     assert "above the configured red line 0.42" in rules[("PruningRatioQualityRisk", "warning")]["annotations"][
         "description"]
+    # Where each unmeasured threshold came from: this deployment's setting, or the shipped default.
+    origin = {key: rule["annotations"]["description"] for key, rule in rules.items()}
+    assert "0.42 was set in this deployment's rule settings, not measured" in origin[("PruningRatioQualityRisk", "warning")]
+    assert "(0.5 was set in this deployment's rule settings, not measured" in origin[("PruningRatioQualityRisk", "critical")]
+    assert "0.35 is a configured default, not measured" in origin[("PruningRatioLow", "warning")]
+    assert "configured default" not in origin[("PruningRatioQualityRisk", "warning")]
     assert rules[("LatencySLOBreached", "critical")]["expr"].endswith("> 2.5")
     assert rules[("PruningRatioLow", "warning")]["for"] == "3h"
     assert rules[("ProbeDataAbsent", "critical")]["expr"] == "absent_over_time(prunewatch_probe_results_total[20m])"
