@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from engine.stats import RATIO_UNIT
 
@@ -81,18 +81,34 @@ class _GenerationParams(_Request):
     user: Text | None = None
 
 
+def _one_prompt(value: Any) -> Any:
+    """OpenAI's `prompt` may be a list; this server answers one prompt per request (then checked as Text)."""
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1:
+        raise ValueError(f"one prompt per request, got a list of {len(value)}; send several as /v1/batch items")
+    return value[0]
+
+
 class ChatCompletionRequest(_GenerationParams):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = Field(
         None, description="OpenAI's newer name for max_tokens; wins when both are given.")
+    logprobs: Literal[False] | None = Field(None, description="Not supported: true is refused.")
+    top_logprobs: Annotated[int | None, Field(ge=0, le=0)] = Field(None, description="Not supported: only 0.")
 
 
 class CompletionRequest(_GenerationParams):
-    """POST /v1/completions. The prompt is rendered as one user turn of the model's chat template."""
+    """POST /v1/completions. The prompt is continued as given (no chat template)."""
 
-    prompt: Text
+    prompt: Annotated[Text, BeforeValidator(_one_prompt)] = Field(
+        description="The text to continue: a string, or a list holding one.")
+    logprobs: None = Field(None, description="Not supported: only null.")
+    echo: Literal[False] | None = Field(None, description="Not supported: true is refused.")
+    best_of: Annotated[int | None, Field(ge=1, le=1)] = Field(None, description="Only one candidate is generated.")
+    suffix: None = Field(None, description="Not supported: only null.")
 
 
 class PruningOverrides(BaseModel):

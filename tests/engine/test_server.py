@@ -197,6 +197,16 @@ def test_sdk_stop_sequences_cut_the_answer_streamed_or_not(sdk: openai.OpenAI, e
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_prompt_list_holding_one_prompt_is_that_prompt(http: httpx.Client, engine: PruningEngine) -> None:
+    """OpenAI's completions take `prompt` as a string or a list (the SDK sends lists as given)."""
+    answers = [http.post("/v1/completions", headers=AUTH, json={"model": engine.name, "prompt": prompt, "max_tokens": 4,
+                                                                "logprobs": None, "echo": False, "best_of": 1})
+               for prompt in (PROMPT, [PROMPT])]
+    assert [a.status_code for a in answers] == [200, 200]
+    texts = [a.json()["choices"][0]["text"] for a in answers]
+    assert texts[0] == texts[1] and answers[0].json()["usage"] == answers[1].json()["usage"]
+
+
 def test_sdk_models_and_errors(sdk: openai.OpenAI, engine: PruningEngine, base_url: str) -> None:
     assert [m.id for m in sdk.models.list().data] == [engine.name]
     assert sdk.models.retrieve(engine.name).id == engine.name
@@ -317,6 +327,13 @@ def test_422_for_invalid_bodies(http: httpx.Client, engine: PruningEngine) -> No
                param="messages.0.role", code="validation_error")),
         (chat_body(engine, n=2), error("n: Input should be less than or equal to 1", param="n",
                                        code="validation_error")),
+        ({"model": engine.name, "prompt": ["one", "two"]}, error(
+            "prompt: Value error, one prompt per request, got a list of 2; send several as /v1/batch items",
+            param="prompt", code="validation_error")),
+        (chat_body(engine, logprobs=True), error("logprobs: Input should be False", param="logprobs",
+                                                 code="validation_error")),
+        ({"model": engine.name, "prompt": "hi", "echo": True}, error("echo: Input should be False", param="echo",
+                                                                     code="validation_error")),
         ({"model": engine.name, "prompt": "\ud903 lone surrogate"}, error(
             "prompt: Value error, text must be valid Unicode (it holds a lone surrogate code point)",
             param="prompt", code="validation_error")),

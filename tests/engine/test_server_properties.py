@@ -428,16 +428,29 @@ COMMON_FIELDS = {
     "max_tokens": TOKENS,
     "max_completion_tokens": TOKENS,
 }
-PROMPT = Field(ok=st.text(min_size=1, max_size=20), item=st.sampled_from(["", "x" * 300]),  # empty: 400; long: 413
-               whole=st.one_of(surrogate_text, st.sampled_from([ABSENT, 5, None])))
+PROMPT = Field(ok=st.one_of(st.text(min_size=1, max_size=20), st.lists(st.text(min_size=1, max_size=20), min_size=1,
+                                                                          max_size=1)),  # a list holding one prompt
+               item=st.sampled_from(["", "x" * 300, [""]]),  # empty: 400; long: 413
+               whole=st.one_of(surrogate_text, st.sampled_from([ABSENT, 5, None, [], ["a", "b"]])))
+# Options this server cannot honour: their neutral values pass, anything that asks for them is refused.
+CHAT_ONLY = {
+    "logprobs": Field(ok=st.sampled_from([ABSENT, None, False]), whole=st.sampled_from([True, "yes"])),
+    "top_logprobs": Field(ok=st.sampled_from([ABSENT, None, 0]), whole=st.sampled_from([1, 20, -1])),
+}
+COMPLETION_ONLY = {
+    "logprobs": Field(ok=st.sampled_from([ABSENT, None]), whole=st.sampled_from([0, 5, True])),
+    "echo": Field(ok=st.sampled_from([ABSENT, None, False]), whole=st.sampled_from([True, "no"])),
+    "best_of": Field(ok=st.sampled_from([ABSENT, None, 1]), whole=st.sampled_from([0, 2])),
+    "suffix": Field(ok=st.sampled_from([ABSENT, None]), whole=st.sampled_from(["end", 3])),
+}
 
 
 @st.composite
 def generation_bodies(draw: st.DrawFn, kind: str, mode: str | None = None,
                       allow_whole: bool = True) -> tuple[dict[str, Any], int]:
     """(body, verdict) of a chat or completion request."""
-    drawn = draw(draw_fields({**COMMON_FIELDS, **({"messages": MESSAGES} if kind == "chat" else {"prompt": PROMPT})},
-                             mode, allow_whole))
+    own = {"messages": MESSAGES, **CHAT_ONLY} if kind == "chat" else {"prompt": PROMPT, **COMPLETION_ONLY}
+    drawn = draw(draw_fields({**COMMON_FIELDS, **own}, mode, allow_whole))
     body = {name: value for name, (value, _) in drawn.items() if value is not ABSENT}
     verdict = max(v for name, (_, v) in drawn.items() if not name.startswith("max_"))
     max_tokens, tokens_verdict = verdict_of_tokens(body.get("max_tokens"), known=True)
