@@ -110,7 +110,20 @@ def _plain(value: float | None) -> str:
 
 def _where(summary: MeasuredSummary) -> str:
     target = f"target {summary.target}" if summary.target else "all targets"
-    return (f"{target} between {summary.window.start:%Y-%m-%d %H:%M} and {summary.window.end:%Y-%m-%d %H:%M} UTC")
+    model = f", model {summary.model}" if summary.model else ""
+    return (f"{target}{model} between {summary.window.start:%Y-%m-%d %H:%M} and "
+            f"{summary.window.end:%Y-%m-%d %H:%M} UTC")
+
+
+def _unmatched_filter(summary: MeasuredSummary) -> str:
+    """What a target or model filter that matched nothing could have been, so the fix is in the message."""
+    if summary.model and summary.model not in summary.models:
+        seen = ", ".join(summary.models) or "none"
+        return f"; no result of model {summary.model} in this window (models with results: {seen})"
+    if summary.target and summary.target not in summary.targets:
+        seen = ", ".join(summary.targets) or "none"
+        return f"; no result of target {summary.target} in this window (targets with results: {seen})"
+    return ""
 
 
 def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> ResolvedInputs:
@@ -118,8 +131,8 @@ def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> Resolv
     if summary.pruned_results == 0:
         raise NoMeasurementsError(
             f"no measurements yet: no successful probe of a pruned configuration (sensitivity > 0) for "
-            f"{_where(summary)} ({summary.results_total} results, {summary.results_failed} failed); run the "
-            f"collector with pruning enabled or widen the window")
+            f"{_where(summary)} ({summary.results_total} results, {summary.results_failed} failed)"
+            f"{_unmatched_filter(summary) or '; run the collector with pruning enabled or widen the window'}")
     if summary.pruned_inference_ms is None:
         raise NoMeasurementsError(f"the pruned probes for {_where(summary)} measured no inference time")
     n_pruned = summary.pruned_results

@@ -21,7 +21,9 @@ def generate_report(db_url: str, days: int, pdf_path: Path, html_path: Path | No
                     target: str | None = None, model: str | None = None, now: datetime | None = None) -> ReportData:
     """Read the store, build the report and write the PDF (and the HTML variant when a path is given)."""
     window = Window.last_days(days, now)
-    data = build_report(load_results(db_url, window, target), window, assumptions, days, target, model, now=now)
+    # Every target's results, as the app reads them: the report filters them itself (roi.measured.select), and
+    # a target name that matches nothing can then be answered with the ones that exist.
+    data = build_report(load_results(db_url, window), window, assumptions, days, target, model, now=now)
     write_pdf(data, pdf_path)
     if html_path is not None:
         write_html(data, html_path)

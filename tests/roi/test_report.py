@@ -116,6 +116,20 @@ def test_report_command_rejects_an_invalid_assumptions_file(tmp_path: Path, coll
                                       f"or equal to 0.01 (got 0)")
 
 
+@pytest.mark.parametrize("option, kind", [("--target", "target"), ("--model", "model")])
+def test_a_filter_matching_nothing_names_what_the_store_holds(collected_sqlite: str, tmp_path: Path, option: str,
+                                                             kind: str) -> None:
+    """A mistyped target or model is answered with the names that have results, and nothing is written."""
+    pdf = tmp_path / "r.pdf"
+    outcome = CliRunner().invoke(_cli(), ["report", "--db", collected_sqlite, "--out", str(pdf), option, "NOSUCH"])
+    assert outcome.exit_code == 2
+    held = "embedded" if kind == "target" else "probe-llama"
+    assert outcome.output.strip().endswith(
+        f"(0 results, 0 failed); no result of {kind} NOSUCH in this window ({kind}s with results: {held})")
+    assert f"for {'target NOSUCH' if kind == 'target' else 'all targets, model NOSUCH'} between" in outcome.output
+    assert not pdf.exists()
+
+
 def test_roi_command_checks_the_store_before_starting(tmp_path: Path) -> None:
     outcome = CliRunner().invoke(_cli(), ["roi", "--db", f"sqlite:///{tmp_path / 'absent.db'}"])
     assert outcome.exit_code == 2 and outcome.output.startswith("error: no result store at")
