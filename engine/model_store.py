@@ -175,7 +175,7 @@ def list_models(root: Path | None = None) -> list[StoredModel]:
     rows = [StoredModel(n, base / n, _is_intact(base / n, s), True, _source(base / n)) for n, s in KNOWN_MODELS.items()]
     if base.is_dir():
         for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if folder.name not in KNOWN_MODELS and (folder / MANIFEST).is_file():
+            if folder.name not in KNOWN_MODELS and _is_conversion(folder):
                 rows.append(StoredModel(folder.name, folder, _is_intact(folder, None), False, _source(folder)))
     return rows
 
@@ -306,6 +306,13 @@ def _is_intact(folder: Path, spec: WheelModel | None) -> bool:
         return bool(manifest["weights"]) and all(_size(folder / f) == s for f, s in sizes.items())
     except (KeyError, TypeError, AttributeError):
         return False
+
+
+def _is_conversion(folder: Path) -> bool:
+    """Whether the folder's manifest is one this store writes (any format version): other tools' manifest.json
+    (the bundled probe model's build record, say) do not make a folder a damaged conversion."""
+    manifest = _read_manifest(folder)
+    return manifest is not None and "format" in manifest and "source" in manifest
 
 
 def _read_manifest(folder: Path) -> dict[str, Any] | None:

@@ -78,6 +78,9 @@ def stack_down_command(
         report = stack_down(state_dir or DEFAULT_STATE_DIR, stop_timeout)
     except StackError as exc:
         raise _error(str(exc))
+    if report.nothing_recorded:
+        typer.echo(f"nothing to stop: {report.nothing_recorded}")
+        return
     line = f"stopped {len(report.stopped)} service(s)"
     if report.killed:
         line += f"; killed after {stop_timeout:g}s: {', '.join(report.killed)}"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prunewatch.stack import configs
 from prunewatch.stack.settings import StackSettings
-from prunewatch.stack.state import Service, StackState, StateError
+from prunewatch.stack.state import NoStackStateError, Service, StackState, StateError
 from records.settings import STORE_URL_ENV
 from services import (
     ALERTMANAGER_BINARIES,
@@ -51,6 +51,7 @@ class DownReport:
     stopped: list[str]  # services that were running and are gone now
     killed: list[str]  # of those, the ones that needed SIGKILL after stop_timeout_s
     already_gone: list[str]  # recorded but not running any more
+    nothing_recorded: str | None = None  # why there was nothing to stop (no stack state in the dir)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -259,9 +260,13 @@ def _stop_all(state: StackState, timeout_s: float) -> tuple[list[str], list[str]
 
 
 def stack_down(state_dir: Path, stop_timeout_s: float = 20.0) -> DownReport:
-    """Stop every service `stack up` recorded in `state_dir`; StackError when something survives."""
+    """Stop every service `stack up` recorded in `state_dir`; StackError when something survives. Nothing
+    recorded (never started, or stopped already) is an empty report with `nothing_recorded` set, as stopping
+    a stopped service succeeds."""
     try:
         state = StackState.load(state_dir.resolve())
+    except NoStackStateError as exc:
+        return DownReport(stopped=[], killed=[], already_gone=[], nothing_recorded=str(exc))
     except StateError as exc:
         raise StackError(str(exc)) from None
     gone = [s.record.name for s in state.services if not is_running(s.record)]

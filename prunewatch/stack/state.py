@@ -20,6 +20,10 @@ class StateError(RuntimeError):
     """stack.json is missing or unreadable."""
 
 
+class NoStackStateError(StateError):
+    """No stack.json: nothing was started from this state dir, or it was stopped already."""
+
+
 @dataclass
 class Service:
     """One started service: its process and where it answers."""
@@ -72,7 +76,8 @@ class StackState:
         try:
             document = json.loads(path.read_text())
         except FileNotFoundError:
-            raise StateError(f"no stack state in {state_dir} ({STATE_FILE} missing): nothing was started there")
+            raise NoStackStateError(f"no stack state in {state_dir} ({STATE_FILE} missing): nothing was started "
+                                    "there, or it was stopped already")
         except (OSError, ValueError) as exc:
             raise StateError(f"cannot read {path}: {exc}") from None
         if document.get("format") != FORMAT:

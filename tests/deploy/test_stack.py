@@ -228,8 +228,8 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
     leftovers = [r["name"] for r in records if not _gone(r)]
     assert leftovers == []
     assert not (state_dir / "stack.json").exists() and list((state_dir / "pids").iterdir()) == []
-    again = _stack("down", "--state-dir", str(state_dir), timeout_s=60)  # nothing is recorded any more
-    assert (again.returncode, again.stderr.startswith("error: no stack state in")) == (1, True)
+    again = _stack("down", "--state-dir", str(state_dir), timeout_s=60)  # nothing is recorded any more: a no-op
+    assert (again.returncode, again.stdout.startswith(f"nothing to stop: no stack state in {state_dir}")) == (0, True)
     shutil.rmtree(state_dir, ignore_errors=True)
 
 

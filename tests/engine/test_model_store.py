@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import zipfile
@@ -27,6 +28,7 @@ from engine.model_store import (
     RegistryUnreachableError,
     WheelModel,
 )
+from tests.conftest import PROBE_MODEL_DIR
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 8
 
@@ -327,10 +329,16 @@ def test_list_models_shows_known_models_pulled_or_not_and_imports(tmp_path, spec
     gguf.write_bytes(FAKE_GGUF)
     model_store.import_gguf(gguf, "mine", tmp_path)
     (tmp_path / "not-a-model").mkdir()
+    # A model folder copied in with another tool's manifest.json (the bundled probe model's build record)
+    # is not a conversion of this store, so it is not listed as a damaged one; a conversion missing a file is.
+    shutil.copytree(PROBE_MODEL_DIR, tmp_path / "probe-copy")
+    shutil.copytree(tmp_path / "mine", tmp_path / "mine-cut")
+    next((tmp_path / "mine-cut").glob("*.safetensors")).unlink()
     rows = {m.name: m for m in model_store.list_models(tmp_path)}
     assert rows[spec.name].present and rows[spec.name].source == "pypi-wheel"
     assert rows["mine"].present and not rows["mine"].known and rows["mine"].source == "gguf-file"
-    assert "not-a-model" not in rows and ".lock" not in rows
+    assert "not-a-model" not in rows and ".lock" not in rows and "probe-copy" not in rows
+    assert not rows["mine-cut"].present
 
 
 def test_resolve_model_takes_a_folder_a_known_name_or_an_import(tmp_path, spec, calls):
