@@ -55,6 +55,10 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+"""Files one of which every tokenizer transformers can load needs (fast, SentencePiece, BPE, WordPiece)."""
+
+
 def check_model_dir(path: Path) -> list[Path]:
     """Fail early, with a message naming the problem, before transformers gives a long traceback."""
     if not path.exists():
@@ -66,6 +70,10 @@ def check_model_dir(path: Path) -> list[Path]:
     files = weight_files(path)
     if not files:
         raise ModelLoadError(f"no weights (*.safetensors or pytorch_model*.bin) in {path}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+        # transformers would fall back to converting a slow tokenizer and fail on a missing converter library
+        raise ModelLoadError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
+                             "tokenizer files next to its weights")
     return files
 
 

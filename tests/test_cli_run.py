@@ -113,6 +113,8 @@ def _bad_model(case: str, source: Path, root: Path) -> Path:
         config = json.loads((folder / "config.json").read_text())
         config["num_hidden_layers"] -= 2
         (folder / "config.json").write_text(json.dumps(config))
+    elif case == "no-tokenizer":  # weights copied without their tokenizer: transformers blamed a missing library
+        (folder / "tokenizer.json").unlink()
     elif case == "config-inconsistent":  # valid JSON that transformers refuses
         config = json.loads((folder / "config.json").read_text())
         config["hidden_size"] = config["hidden_size"] + 64
@@ -131,6 +133,7 @@ BAD_MODELS = {  # case -> what the one error line says
     "config-not-object": "is not a JSON object (it holds a list)",
     "more-layers": "hold layers past the",
     "config-inconsistent": "is not a multiple of the number of attention heads",
+    "no-tokenizer": "no tokenizer in ",
 }
 
 
