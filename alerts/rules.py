@@ -39,9 +39,11 @@ HEADER = (
     "# change thresholds. Prometheus and the embedded evaluator (`prunewatch run`) both load this file.\n"
 )
 
-RUNBOOK = "Run `prunewatch doctor` on the collector host"
+RUNBOOK = ("Run `prunewatch doctor` (the main job, `prunewatch run`) or `prunewatch doctor --config <targets file> "
+           "--target <name>` (a collector's target) on the collector host")
 RUNBOOK_TARGET = ("Run `prunewatch doctor --config <targets file> --target {{ $labels.target }}` on the collector host "
-                  "(an alert without a target label is about an engine's own live traffic)")
+                  "(plain `prunewatch doctor` for the main job's target, embedded; an alert without a target label is "
+                  "about an engine's own live traffic)")
 """The runbook's first step for alerts grouped per target, model and domain: the doctor of that target."""
 
 RECORDING_RULES: tuple[tuple[str, str], ...] = (

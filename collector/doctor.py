@@ -132,6 +132,9 @@ def store_checks(db_url: str) -> list[Check]:
         engine.dispose()
 
 
+_SERVED_BY = {"the collector": "`prunewatch run` or `prunewatch collect`", "the engine": "`prunewatch serve`"}
+
+
 def _metrics_check(url: str, headers: dict[str, str] | None = None, who: str = "the collector") -> Check:
     name = "metrics endpoint"
     request = urllib.request.Request(url, headers=headers or {})
@@ -146,7 +149,7 @@ def _metrics_check(url: str, headers: dict[str, str] | None = None, who: str = "
         return _fail(name, f"GET {url}: HTTP {exc.code}", f"check that {who} serves /metrics at this URL")
     except OSError as exc:
         return _fail(name, f"GET {url}: {getattr(exc, 'reason', exc)}",
-                     f"start {who} (prunewatch collect serves /metrics) or pass --metrics-url")
+                     f"start {who} ({_SERVED_BY.get(who, 'it')} serves /metrics) or pass --metrics-url")
     families = sum(1 for line in body.splitlines() if line.startswith("# TYPE prunewatch_"))
     if not families:
         return _fail(name, f"GET {url}: no prunewatch_ metrics",
@@ -261,7 +264,7 @@ def diagnose_in_process(spec: ResolvedTarget, probe_set: ProbeSet, *, calibratio
                                                    calibration_dir=calibration_dir))
     except EngineError as exc:
         return [_fail("reachable", f"model folder {spec.model_dir}: {exc}",
-                      "fix model_dir (a Hugging Face folder) or run prunewatch build-model")] + [
+                      "fix the model folder (model_dir in the targets file, PRUNEWATCH_MODEL_DIR for the main job)")] + [
             _skip(n, "model not loaded") for n in ("pruning headers", "ratio plausible", "calibration")]
     checks.append(_pass("reachable", f"loaded {engine.name} from {spec.model_dir} on {engine.loaded.device.type}"))
     checks.append(_skip("auth", "in-process: no API"))
@@ -273,7 +276,8 @@ def diagnose_in_process(spec: ResolvedTarget, probe_set: ProbeSet, *, calibratio
     path = engine.calibration_path(probe_set.digest)
     if not path.is_file():
         checks.append(_fail("calibration", f"no calibration for this model and probe set at {path}",
-                            "start prunewatch collect once (it calibrates at start) or run prunewatch calibrate"))
+                            "start the collector once (`prunewatch run` or `prunewatch collect` calibrates at start) "
+                            "or run prunewatch calibrate"))
     else:
         try:
             engine.use_calibration(Calibration.load(path))

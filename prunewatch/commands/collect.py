@@ -216,8 +216,10 @@ def tune_command(
 
 
 def doctor_command(
-    target: str = typer.Option(..., "--target", "-t", help="Name of the target in the config file."),
-    config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
+    target: str = typer.Option(None, "--target", "-t", help="Name of the target in the config file."),
+    config: Path = typer.Option(None, "--config", "-c",
+                                help="Targets file (YAML) of a collector; without it, the main job (`prunewatch run`) "
+                                     "as its PRUNEWATCH_* variables configure it."),
     db: str = typer.Option(None, "--db", envvar=STORE_URL_ENV, help="Store URL (default: the file's, else sqlite)."),
     metrics_url: str = typer.Option(None, "--metrics-url",
                                     help="The collector's /metrics (default from the file's metrics_host/port)."),
@@ -229,17 +231,25 @@ def doctor_command(
     from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
 
     configure_logging(False)
-    try:
-        parsed = load_targets(config)
-        spec = parsed.target(target)
-        probe_set = load_probes(parsed.collector.probes_path or DEFAULT_PROBES_PATH)
-    except (TargetConfigError, ProbeFileError) as exc:
-        raise fail(str(exc))
-    section = parsed.collector
-    if metrics_url is None and section.metrics_port != 0:
-        metrics_url = f"http://{section.metrics_host or '127.0.0.1'}:{section.metrics_port or 9464}/metrics"
-    checks = run_doctor(spec, probe_set, db_url=db or section.db_url or DEFAULT_STORE_URL, collector_metrics_url=metrics_url,
-                        calibration_dir=FleetSettings().calibration_dir)
+    if config is None:
+        if target is not None:
+            raise fail("--target names a target of a --config file; without --config doctor checks the main job "
+                       "(`prunewatch run`)")
+        spec, probe_set, db_url, metrics_url, calibration_dir = _main_job_doctor(db, metrics_url)
+    else:
+        if target is None:
+            raise fail("--config needs --target: the name of the target to check")
+        try:
+            parsed = load_targets(config)
+            spec = parsed.target(target)
+            probe_set = load_probes(parsed.collector.probes_path or DEFAULT_PROBES_PATH)
+        except (TargetConfigError, ProbeFileError) as exc:
+            raise fail(str(exc))
+        section = parsed.collector
+        if metrics_url is None and section.metrics_port != 0:
+            metrics_url = f"http://{section.metrics_host or '127.0.0.1'}:{section.metrics_port or 9464}/metrics"
+        db_url, calibration_dir = db or section.db_url or DEFAULT_STORE_URL, FleetSettings().calibration_dir
+    checks = run_doctor(spec, probe_set, db_url=db_url, collector_metrics_url=metrics_url, calibration_dir=calibration_dir)
     typer.echo(f"prunewatch doctor: target {spec.name} ({spec.kind}"
                + (f", {spec.base_url}" if spec.base_url else "") + ")")
     for check in checks:
@@ -249,3 +259,30 @@ def doctor_command(
     typer.echo(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else "all checks passed")
     if failed:
         raise typer.Exit(1)
+
+
+def _main_job_doctor(db: str | None, metrics_url: str | None):
+    """The main job's target, probes, store, /metrics and calibration folder, as `prunewatch run` resolves them
+    from its PRUNEWATCH_* variables and defaults (the model: PRUNEWATCH_MODEL_DIR, else the default model)."""
+    from pydantic import ValidationError
+
+    from collector.settings import CollectorSettings
+    from collector.target_config import ResolvedTarget
+    from engine.errors import EngineError
+    from probes import ProbeFileError, load_probes
+    from prunewatch.models_cli import model_folder
+
+    try:
+        settings = CollectorSettings()
+        model = model_folder(str(settings.model_dir) if "model_dir" in settings.model_fields_set else None)
+        probe_set = load_probes(settings.probes_path)
+    except ValidationError as exc:
+        raise fail(first_validation_error(exc))
+    except (EngineError, ProbeFileError) as exc:
+        raise fail(str(exc))
+    spec = ResolvedTarget(name=settings.target_name, kind="in_process", base_url=None, api_key_env=None, model=None,
+                          model_dir=model, device=settings.device, domains=None, interval_s=settings.interval_s,
+                          timeout_s=settings.interval_s, sensitivity=settings.sensitivity, jitter_s=0.0)
+    if metrics_url is None and settings.metrics_port != 0:
+        metrics_url = f"http://{settings.metrics_host}:{settings.metrics_port}/metrics"
+    return spec, probe_set, db or settings.db_url, metrics_url, None

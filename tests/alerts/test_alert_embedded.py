@@ -63,8 +63,9 @@ def test_firing_posts_once_then_resolved_once(store, receiver: SlackReceiver, ru
         "*Pruning ratio of probe-llama on legal above 0.45: answer quality at risk*\n"
         "Pruning ratio is 0.600 (measured by the engine, each probe's last result averaged over the domain), above "
         "the configured quality limit 0.45 for 0s (0.45 is a configured default, not measured on this model; check token agreement).\n"
-        "Runbook: Run `prunewatch doctor --config <targets file> --target embedded` on the collector host (an alert "
-        "without a target label is about an engine's own live traffic), then lower the pruning sensitivity for this "
+        "Runbook: Run `prunewatch doctor --config <targets file> --target embedded` on the collector host (plain "
+        "`prunewatch doctor` for the main job's target, embedded; an alert without a target label is about an "
+        "engine's own live traffic), then lower the pruning sensitivity for this "
         "domain and check token agreement.\n")
     assert post.body["attachments"][0]["color"] == "danger"
 

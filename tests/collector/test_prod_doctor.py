@@ -128,7 +128,7 @@ def test_baseline_target_and_the_collector_metrics_endpoint(tmp_path):
                                          f"sqlite:///{tmp_path / 'nothing.db'}", "--metrics-url",
                                          f"http://127.0.0.1:{port}/metrics"])
     assert missing.exit_code == 1 and not (tmp_path / "nothing.db").exists()  # doctor never creates a store
-    assert "-> start the collector (prunewatch collect serves /metrics) or pass --metrics-url" in missing.output
+    assert "-> start the collector (`prunewatch run` or `prunewatch collect` serves /metrics) or pass --metrics-url" in missing.output
 
 
 def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, probe_engine, calibration_dir):
@@ -164,3 +164,28 @@ def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, pro
             path.write_text(json.dumps(raw))
     checks = {c.name: c for c in diagnose_in_process(spec, probe_set, calibration_dir=foreign)}
     assert checks["calibration"].status == "FAIL" and "calibration was made for model" in checks["calibration"].detail
+
+
+def test_without_a_config_file_doctor_checks_the_main_job(tmp_path, monkeypatch, probe_model_dir, collected_sqlite):
+    """`prunewatch doctor` alone checks what `prunewatch run` would probe, from the same PRUNEWATCH_* variables: the
+    alert runbooks send people there for the main job, which has no targets file."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no calibration cached yet: the one check that must fail
+    monkeypatch.setenv("PRUNEWATCH_MODEL_DIR", str(probe_model_dir))
+    monkeypatch.setenv("PRUNEWATCH_DB_URL", collected_sqlite)
+    monkeypatch.setenv("PRUNEWATCH_METRICS_PORT", "0")  # the main job serves no /metrics: nothing to check there
+    result = CliRunner().invoke(cli(), [])
+    assert result.output.splitlines()[0] == "prunewatch doctor: target embedded (in_process)"
+    assert statuses(result.output) == {
+        "reachable": "PASS", "auth": "SKIP", "model listed": "PASS", "calibration": "FAIL", "pruning headers": "PASS",
+        "ratio plausible": "FAIL", "target clock": "PASS", "store reachable": "PASS", "store migrated": "PASS"}
+    assert f"loaded probe-llama from {probe_model_dir}" in result.output
+    assert "`prunewatch run` or `prunewatch collect` calibrates at start" in result.output
+    assert result.exit_code == 1
+
+    lone = CliRunner().invoke(cli(), ["--target", "gpu-a"])
+    assert (lone.exit_code, lone.output.strip()) == (2, "error: --target names a target of a --config file; without "
+                                                        "--config doctor checks the main job (`prunewatch run`)")
+    config = write_config(tmp_path, "  - name: gpu-a\n    kind: in_process\n")
+    unnamed = CliRunner().invoke(cli(), ["--config", config])
+    assert (unnamed.exit_code, unnamed.output.strip()) == (2, "error: --config needs --target: the name of the target "
+                                                              "to check")
