@@ -17,6 +17,7 @@ from dashboards.panels import (
 from dashboards.settings import DashboardSettings
 from dashboards.variables import prometheus_variables
 from records.promql import PROMQL_GOVERNOR_SETTING
+from records.results import FAILURE_REASONS
 
 UID = "prunewatch-engine"
 
@@ -97,8 +98,8 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         ds.postgres, [pg("A", sql.FALLBACKS)], unit="none", width=8, bars=True, stacked=True, minimum=0))
     layout.add(table(
         "Probe failures by reason (counted)",
-        "Failed probes over the dashboard's time range, by domain and reason (timeout, engine_error, "
-        "invalid_request, unreachable, exception), from the collector's failure counter.",
+        f"Failed probes over the dashboard's time range, by domain and reason ({', '.join(FAILURE_REASONS)}), "
+        "from the collector's failure counter; reasons that did not occur are left out.",
         p, [prom("A", promql.FAILURES_BY_REASON, instant=True, table=True)], width=8))
     layout.add(table(
         "Probe results by status (counted)",

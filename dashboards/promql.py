@@ -149,7 +149,8 @@ TOKENS_PER_SECOND = f"avg by (model, domain) (prunewatch_tokens_per_second{{{MOD
 DRAM_BYTES_PER_INSTRUCTION = (
     f"avg by (model, domain, source) (prunewatch_dram_bytes_per_instruction{{{MODEL_DOMAIN}}})"
 )
-FAILURES_BY_REASON = f"sum by (domain, reason) (increase(prunewatch_probe_failures_total{{{MODEL_DOMAIN}}}[$__range]))"
+FAILURES_BY_REASON = (  # every reason exists at 0 from the first result: only those that happened are rows
+    f"sum by (domain, reason) (increase(prunewatch_probe_failures_total{{{MODEL_DOMAIN}}}[$__range])) > 0")
 PROBE_WALL_TIME = (
     f"sum by (target, status) (rate(prunewatch_probe_duration_seconds_sum{{{MODEL_TARGET}}}[$__rate_interval]))"
     f" / sum by (target, status) (rate(prunewatch_probe_duration_seconds_count{{{MODEL_TARGET}}}[$__rate_interval]))"

@@ -28,11 +28,17 @@ def paths(command, prefix=()):
 
 runner = CliRunner()
 seen = 0
-for path in paths(root):
+# A benchmark's own page comes from its argparse parser, which lives with the benchmark and its torch code:
+# those pages render last, after every other page was checked to leave torch unimported.
+every = sorted(paths(root), key=lambda path: len(path) > 1 and path[0] == "bench")
+heavy = None
+for path in every:
+    if heavy is None and len(path) > 1 and path[0] == "bench":
+        heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
     result = runner.invoke(app, [*path, "--help"])
     assert result.exit_code == 0, (path, result.output)
     seen += 1
-print(seen, sorted(m for m in ("torch", "transformers") if m in sys.modules))
+print(seen, heavy)
 """
 
 

@@ -369,7 +369,12 @@ def test_failure_panels_count_the_real_failures(live, dashboards):
     assert {(s["metric"]["domain"], s["metric"]["reason"]) for s in result} == {
         (d, "invalid_request") for d in {r.domain for r in failed}}
     rate = _query(live, dashboards["prunewatch-overview.json"], "Probe failure rate (measured)")
-    assert all(0.2 < float(s["value"][1]) <= 1.0 for s in rate) and len(rate) == len(DOMAINS)
+    failing = {r.target for r in failed}
+    by_target = {(s["metric"]["target"], s["metric"]["domain"]): float(s["value"][1]) for s in rate}
+    assert all(0.2 < v <= 1.0 for (target, _), v in by_target.items() if target in failing)
+    # A target without failures shows a measured 0, not a gap: its failure counters exist from its first result.
+    assert {v for (target, _), v in by_target.items() if target not in failing} == {0.0}
+    assert len(by_target) == len(DOMAINS) * len({r.target for r in live.results})
 
 
 def test_dram_panel_keeps_its_source_label(live, dashboards):
