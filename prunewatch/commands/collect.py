@@ -12,6 +12,7 @@ Bad input is one `error: ...` line and exit code 2; doctor exits 1 when a check 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from pathlib import Path
 
 import typer
@@ -107,10 +108,15 @@ def db_upgrade_command(
     typer.echo(f"store {safe_url(db)}: schema {before or 'empty'} -> {after}{unchanged}")
 
 
+SHORTEST_UNCONFIRMED_AGE = timedelta(days=1)
+"""`db prune` deletes results younger than this only with --yes."""
+
+
 def db_prune_command(
     older_than: str = typer.Option(..., "--older-than", help="Delete results older than this: 90d, 12h, 2w, 30m."),
     db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
+    yes: bool = typer.Option(False, "--yes", help="Prune with an age under a day (`30m` is 30 minutes, not months)."),
 ) -> None:
     """Retention: delete probe results (and emptied rounds) and superseded governor decisions older than the given age."""
     from records.store import StoreUnavailableError, connect_existing
@@ -121,6 +127,12 @@ def db_prune_command(
         age = parse_age(older_than)
     except ValueError as exc:
         raise fail(f"--older-than: {exc}")
+    if age < SHORTEST_UNCONFIRMED_AGE and not dry_run and not yes:
+        # m is minutes (as in Prometheus durations): `1m` meant as a month would delete nearly the whole store.
+        minutes = int(age.total_seconds() // 60)
+        kept = f"{minutes} minute(s)" if minutes < 60 else f"{minutes // 60} hour(s)"
+        raise fail(f"--older-than {older_than.strip()} keeps only the last {kept} of results: add --yes to delete "
+                   "everything older, or --dry-run to count it (m is minutes; a month is 30d)")
     try:
         engine = connect_existing(db)
         if not is_current(engine):

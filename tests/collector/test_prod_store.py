@@ -258,6 +258,29 @@ def test_db_commands_against_postgres(postgres):
     assert count_rows(url, "SELECT round_id FROM probe_results") == [("b" * 32,)]
 
 
+def test_db_prune_under_a_day_needs_yes(tmp_path):
+    """`m` is minutes, as in Prometheus durations: `--older-than 1m` meant as a month would empty the store, so an
+    age under a day deletes only with --yes (a dry run counts without it)."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    engine = connect(url)
+    create_schema(engine)
+    seed(engine, {"a": [0.5, 0.01], "b": [0.0001]}, now=datetime.now(timezone.utc))  # 12 h, 14 min and 9 s old
+    engine.dispose()
+    runner = CliRunner()
+    refused = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "1m"])
+    assert refused.exit_code == 2
+    assert refused.output.strip() == ("error: --older-than 1m keeps only the last 1 minute(s) of results: add --yes to "
+                                      "delete everything older, or --dry-run to count it (m is minutes; a month is 30d)")
+    assert len(count_rows(url, "SELECT result_id FROM probe_results")) == 3
+    hours = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "6h"])
+    assert hours.exit_code == 2 and "keeps only the last 6 hour(s) of results" in hours.output
+    counted = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "1m", "--dry-run"])
+    assert counted.exit_code == 0 and counted.output.startswith("would delete 2 result(s), 1 round(s)")
+    confirmed = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "1m", "--yes"])
+    assert confirmed.exit_code == 0 and confirmed.output.startswith("deleted 2 result(s), 1 round(s)")
+    assert len(count_rows(url, "SELECT result_id FROM probe_results")) == 1
+
+
 def test_db_commands_bad_input(tmp_path):
     runner = CliRunner()
     bad_age = runner.invoke(cli(), ["db", "prune", "--older-than", "ninety days", "--db", f"sqlite:///{tmp_path}/x.db"])
