@@ -59,8 +59,9 @@ MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
 MAX_STOP_CHARS = 256  # streaming holds back one character less than the longest stop sequence
 
 
-def _stop_sequences(stop: Sequence[str] | str) -> tuple[str, ...]:
-    """The request's stop strings, checked: an empty one would end every answer before its first character."""
+def stop_sequences(stop: Sequence[str] | str) -> tuple[str, ...]:
+    """The request's stop strings, checked (InvalidRequestError): at most MAX_STOP_SEQUENCES, none empty (it would
+    end every answer before its first character), none over MAX_STOP_CHARS. The server checks requests with it."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
@@ -408,7 +409,7 @@ class PruningEngine:
         max_new_tokens = self.settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        stops = _stop_sequences(stop)
+        stops = stop_sequences(stop)
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
         if not prompt_ids:

@@ -11,7 +11,7 @@ import typer
 
 from engine.model_store import PROBE_MODEL_DIR
 from prunewatch.cli_errors import fail, first_validation_error
-from prunewatch.models_cli import MODEL_HELP, model_folder, models_app
+from prunewatch.models_cli import MODEL_HELP, main_job_model, model_folder, models_app
 
 app = typer.Typer(
     name="prunewatch",
@@ -109,9 +109,7 @@ def run(
     try:
         settings = CollectorSettings(**{name: value for name, value in flags.items() if value is not None})
         # The model: the flag, else PRUNEWATCH_MODEL_DIR, else the default real model (each may be a name).
-        spec = model if model is not None else (
-            str(settings.model_dir) if "model_dir" in settings.model_fields_set else None)
-        settings = settings.model_copy(update={"model_dir": model_folder(spec)})
+        settings = settings.model_copy(update={"model_dir": main_job_model(settings, model)})
         governor = GovernorSettings(**({} if govern_floor is None else {"floor": govern_floor})) if govern else None
     except ValidationError as exc:
         raise fail(first_validation_error(exc))

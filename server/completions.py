@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 
 from engine.errors import InvalidRequestError
 from engine.hardware import device_model_name
-from engine.pruning_engine import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, PruningEngine, TokenDelta
+from engine.pruning_engine import PruningEngine, TokenDelta, stop_sequences
 from engine.settings import LogLevel
 from engine.stats import GenerationResult, RequestStats
 from server.admission import AdmissionQueue, GenerationJob, QueueFullError, Slot
@@ -69,19 +69,13 @@ class GenerationSpec:
 
 
 def _stop_sequences(stop: str | list[str] | None, param: str) -> tuple[str, ...]:
-    """OpenAI's `stop`: one string or a list of at most four; null, "" and [] ask for none."""
+    """OpenAI's `stop` (a string or a list; null, "" and [] ask for none), checked as the engine checks it."""
     if not stop:
         return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise APIError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES} are allowed",
-                       param=param, code="invalid_value")
-    if not all(stops):
-        raise APIError(400, "stop sequences must be non-empty strings", param=param, code="invalid_value")
-    if max(len(s) for s in stops) > MAX_STOP_CHARS:
-        raise APIError(400, f"a stop sequence is longer than {MAX_STOP_CHARS} characters", param=param,
-                       code="invalid_value")
-    return stops
+    try:
+        return stop_sequences(stop)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def prunewatch_block(stats: RequestStats, queue_ms: float, device_name: str | None = None) -> dict[str, Any]:

@@ -184,7 +184,7 @@ def tune_command(
     from collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
     from engine.errors import EngineError
     from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
-    from prunewatch.models_cli import model_folder
+    from prunewatch.models_cli import main_job_model
 
     configure_logging(False)
     if (model is None) == (config is None) or (config is not None) != (target is not None):
@@ -282,11 +282,11 @@ def _main_job_doctor(db: str | None, metrics_url: str | None):
     from collector.target_config import ResolvedTarget
     from engine.errors import EngineError
     from probes import ProbeFileError, load_probes
-    from prunewatch.models_cli import model_folder
+    from prunewatch.models_cli import main_job_model
 
     try:
         settings = CollectorSettings()
-        model = model_folder(str(settings.model_dir) if "model_dir" in settings.model_fields_set else None)
+        model = main_job_model(settings)
         probe_set = load_probes(settings.probes_path)
     except ValidationError as exc:
         raise fail(first_validation_error(exc))

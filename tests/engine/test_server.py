@@ -291,7 +291,7 @@ def test_400_for_bad_pruning_headers_and_parameters(http: httpx.Client, engine: 
          error("max_completion_tokens is 40, above this server's limit of 16", param="max_completion_tokens",
                code="max_tokens_exceeded")),
         ({}, {"stop": ["a", "b", "c", "d", "e"]},
-         error("stop has 5 sequences; at most 4 are allowed", param="stop", code="invalid_value")),
+         error("at most 4 stop sequences, got 5", param="stop", code="invalid_value")),
         ({}, {"stop": ["\n", ""]}, error("stop sequences must be non-empty strings", param="stop", code="invalid_value")),
         ({}, {"stop": "x" * 257},
          error("a stop sequence is longer than 256 characters", param="stop", code="invalid_value")),
