@@ -342,7 +342,7 @@ def test_run_settings_come_from_flag_then_environment_then_default(tmp_path, pro
     monkeypatch.setattr(prunewatch.embedded, "run_embedded", lambda settings, **_: seen.setdefault("settings", settings)
                         and prunewatch.embedded.RunOutcome(0, 0, 0))
     # model_folder resolves (and for the default, pulls) the model; here it only shows what it was asked for.
-    monkeypatch.setattr("prunewatch.cli.model_folder", lambda spec: Path(spec) if spec else Path("default-model"))
+    monkeypatch.setattr("prunewatch.models_cli.model_folder", lambda spec: Path(spec) if spec else Path("default-model"))
     for name in ("PRUNEWATCH_DB_URL", "PRUNEWATCH_INTERVAL_S", "PRUNEWATCH_MODEL_DIR"):
         monkeypatch.delenv(name, raising=False)
     env_values = {"PRUNEWATCH_DB_URL": "sqlite:///from-env.db", "PRUNEWATCH_INTERVAL_S": "7",

@@ -184,7 +184,7 @@ def tune_command(
     from collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
     from engine.errors import EngineError
     from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
-    from prunewatch.models_cli import main_job_model
+    from prunewatch.models_cli import model_folder
 
     configure_logging(False)
     if (model is None) == (config is None) or (config is not None) != (target is not None):
