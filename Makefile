@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 kernels: setup
-	@if [ -f engine/sparse/build.py ]; then $(BIN)/python -m engine.sparse.build; fi
+	@if [ -f prunewatch/engine/sparse/build.py ]; then $(BIN)/python -m prunewatch.engine.sparse.build; fi
 
 system-deps:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

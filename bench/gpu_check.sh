@@ -5,7 +5,7 @@
 #      and the sparse engine on CUDA against a masked dense run of the same model;
 #   3. the engine benchmark on CUDA (quick mode, then the full speed part if time is left);
 #   4. DRAM bytes per instruction of one dense and one sparse decode step, if `ncu` is on PATH;
-#   5. (informational) decode speed against the measured read bandwidth, bench/speed.py --device cuda.
+#   5. (informational) decode speed against the measured read bandwidth, prunewatch/bench/speed.py --device cuda.
 #
 # Usage: bash bench/gpu_check.sh            (from anywhere; results in $OUT, else bench/results/gpu/)
 # Environment: OUT (result folder), GPU_CHECK_BUDGET_S (total seconds, default 360),
@@ -109,7 +109,7 @@ if missing:
 import triton  # noqa: E402
 
 print(f"triton {triton.__version__}")
-for module in ("engine.sparse", "engine.sparse.triton_kernel", "engine.ncu", "bench.engine"):
+for module in ("prunewatch.engine.sparse", "prunewatch.engine.sparse.triton_kernel", "prunewatch.engine.ncu", "prunewatch.bench.engine"):
     try:
         importlib.import_module(module)
     except ImportError as exc:
@@ -126,7 +126,7 @@ import time
 
 import torch
 
-from engine.sparse.triton_kernel import sparse_linear
+from prunewatch.engine.sparse.triton_kernel import sparse_linear
 
 torch.manual_seed(0)
 failures = []
@@ -194,9 +194,9 @@ def engine_check(dtype, tol):
     """The sparse engine on CUDA (calibration, install, kernel per layer) vs a masked dense run."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
-    from engine.sparse import calibrate_sparsity, install_sparsity
-    from engine.sparse.targets import find_sparse_targets, score_scale
+    from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
+    from prunewatch.engine.sparse import calibrate_sparsity, install_sparsity
+    from prunewatch.engine.sparse.targets import find_sparse_targets, score_scale
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -241,7 +241,7 @@ PY
 
 ncu_step() {
   local sparsity=$1
-  "$PY" -m engine.ncu measure --sparsity "$sparsity" >"$OUT_DIR/ncu-sparsity-$sparsity.json" || return 1
+  "$PY" -m prunewatch.engine.ncu measure --sparsity "$sparsity" >"$OUT_DIR/ncu-sparsity-$sparsity.json" || return 1
   cat "$OUT_DIR/ncu-sparsity-$sparsity.json"
 }
 
@@ -269,7 +269,7 @@ if ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
   log "note: no C++ compiler, so no CPU kernel: the benchmark's quality part (CPU) is skipped and no PNG is drawn"
   quality=(--skip-quality)
 fi
-step bench-quick 240 check "$PY" -m bench.engine --quick --device cuda ${quality[@]+"${quality[@]}"} --out "$OUT_DIR/engine-cuda-quick.json"
+step bench-quick 240 check "$PY" -m prunewatch.bench.engine --quick --device cuda ${quality[@]+"${quality[@]}"} --out "$OUT_DIR/engine-cuda-quick.json"
 if command -v ncu >/dev/null 2>&1 || [[ -n ${PRUNEWATCH_NCU:-} ]]; then
   step ncu-dense 120 info bash -c "ncu_step 0"
   step ncu-sparse 120 info bash -c "ncu_step 0.5"
@@ -288,11 +288,11 @@ PY
 else
   log "SKIP ncu: Nsight Compute's ncu is not on PATH (set PRUNEWATCH_NCU to its path to measure DRAM bytes)"
 fi
-step bench-full-speed 300 check "$PY" -m bench.engine --device cuda --skip-quality --no-plot --out "$OUT_DIR/engine-cuda.json"
-# Decode speed against the GPU's read bandwidth (bench/speed.py); informational, last, only with time left.
+step bench-full-speed 300 check "$PY" -m prunewatch.bench.engine --device cuda --skip-quality --no-plot --out "$OUT_DIR/engine-cuda.json"
+# Decode speed against the GPU's read bandwidth (prunewatch/bench/speed.py); informational, last, only with time left.
 speed_args=()
 [[ -f "$HOME/.cache/prunewatch/models/SmolLM2-135M-Instruct/config.json" ]] || speed_args=(--no-real)
-step bench-decode-speed 240 info "$PY" -m bench.speed --device cuda ${speed_args[@]+"${speed_args[@]}"} \
+step bench-decode-speed 240 info "$PY" -m prunewatch.bench.speed --device cuda ${speed_args[@]+"${speed_args[@]}"} \
   --out "$OUT_DIR/speed-cuda.json" --plot "$OUT_DIR/speed-cuda.png"
 
 log "done in $((SECONDS - START_S)) s; results in $OUT_DIR"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import typer
 
-from engine.model_store import PROBE_MODEL_DIR
 from prunewatch.cli_errors import fail, first_validation_error
+from prunewatch.engine.model_store import PROBE_MODEL_DIR
 from prunewatch.models_cli import MODEL_HELP, main_job_model, model_folder, models_app
 
 app = typer.Typer(
@@ -39,7 +39,7 @@ def build_model(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from engine.probe_model.train import ProbeModelConfig, build_probe_model
+    from prunewatch.engine.probe_model.train import ProbeModelConfig, build_probe_model
 
     overrides = {k: v for k, v in (("steps", steps), ("seed", seed)) if v is not None}
     config = replace(ProbeModelConfig(), **overrides)
@@ -93,14 +93,14 @@ def run(
     Each setting comes from its flag, else its PRUNEWATCH_* variable, else its default."""
     from pydantic import ValidationError
 
-    from collector.exposition import MetricsPortError
-    from collector.governor import GovernorSettings
-    from collector.settings import CollectorSettings
-    from engine.errors import EngineError
-    from probes import ProbeFileError
+    from prunewatch.collector.exposition import MetricsPortError
+    from prunewatch.collector.governor import GovernorSettings
+    from prunewatch.collector.settings import CollectorSettings
     from prunewatch.commands.collect import configure_logging
     from prunewatch.embedded import run_embedded
-    from records.store import StoreUnavailableError
+    from prunewatch.engine.errors import EngineError
+    from prunewatch.probes import ProbeFileError
+    from prunewatch.records.store import StoreUnavailableError
 
     configure_logging(verbose)
     flags = dict(db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
@@ -133,9 +133,9 @@ def calibrate_command(
     """Measure per-domain block influence on the dense model; write JSON + a heatmap PNG."""
     from rich.progress import Progress
 
-    from engine import EngineError, EngineSettings, PruningEngine
-    from engine.heatmap import write_heatmap
-    from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+    from prunewatch.engine import EngineError, EngineSettings, PruningEngine
+    from prunewatch.engine.heatmap import write_heatmap
+    from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
 
     try:
         probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
@@ -165,9 +165,9 @@ def profile_dram_command(
     import torch
     from rich.progress import Progress
 
-    from engine import EngineError
-    from engine.dram_profile import profile_dram
-    from engine.loading import weights_fingerprint
+    from prunewatch.engine import EngineError
+    from prunewatch.engine.dram_profile import profile_dram
+    from prunewatch.engine.loading import weights_fingerprint
 
     if not torch.cuda.is_available():
         raise fail("profile-dram measures a GPU with Nsight Compute, and torch sees no CUDA device here")
@@ -205,9 +205,9 @@ def serve_command(
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
     from pydantic import ValidationError
 
-    from engine.errors import EngineError
-    from probes import ProbeFileError
-    from server import ServeAddressError, bind_listener, serve
+    from prunewatch.engine.errors import EngineError
+    from prunewatch.probes import ProbeFileError
+    from prunewatch.server import ServeAddressError, bind_listener, serve
 
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
@@ -224,7 +224,7 @@ def serve_command(
 def _run_bench(bench_main: Callable[[list[str]], int], args: list[str]) -> None:
     """Run a benchmark's main and exit with its code; the engine's typed errors (a missing or unreadable model
     folder, a calibration made for another model) become one `error:` line, as in every other command."""
-    from engine.errors import EngineError
+    from prunewatch.engine.errors import EngineError
 
     try:
         code = bench_main(args)
@@ -244,7 +244,7 @@ app.add_typer(models_app, name="models")
 @bench_app.command("engine", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_engine_command(ctx: typer.Context) -> None:
     """Decode tokens/s dense vs activation-sparse (batch 1, 4, 8) and probe-model quality vs sparsity."""
-    from bench.engine import main as bench_main
+    from prunewatch.bench.engine import main as bench_main
 
     _run_bench(bench_main, list(ctx.args))
 
@@ -253,7 +253,7 @@ def bench_engine_command(ctx: typer.Context) -> None:
 def bench_mechanisms_command(ctx: typer.Context) -> None:
     """Pruning ratio, quality and decode speed of layer bypass, head gating and activation sparsity
     on the probe model, each alone and combined, against dense in the same run."""
-    from bench.mechanisms import main as bench_main
+    from prunewatch.bench.mechanisms import main as bench_main
 
     _run_bench(bench_main, list(ctx.args))
 
@@ -262,7 +262,7 @@ def bench_mechanisms_command(ctx: typer.Context) -> None:
 def bench_frontier_command(ctx: typer.Context) -> None:
     """Decode pruning ratio against agreement, held-out perplexity and decode speed for each mechanism and
     allocation (TEAL's uniform rule as the baseline), all in one run; JSON + plot in bench/results."""
-    from bench.frontier import main as bench_main
+    from prunewatch.bench.frontier import main as bench_main
 
     _run_bench(bench_main, list(ctx.args))
 
@@ -271,7 +271,7 @@ def bench_frontier_command(ctx: typer.Context) -> None:
 def bench_speed_command(ctx: typer.Context) -> None:
     """The machine's read bandwidth, then plain transformers, engine dense and engine at its defaults decoding
     the real model and the 0.67 B shape, interleaved: tokens/s, bytes per token, share of bandwidth, bound."""
-    from bench.speed import main as bench_main
+    from prunewatch.bench.speed import main as bench_main
 
     _run_bench(bench_main, list(ctx.args))
 

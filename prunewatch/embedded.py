@@ -12,20 +12,20 @@ from rich.live import Live
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from collector.exporters import LogExporter, SqlExporter
-from collector.exposition import start_metrics_server
-from collector.governor import GovernedTarget, Governor, GovernorSettings, start_governing
-from collector.live_table import round_table
-from collector.probe_round import RoundSummary
-from collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
-from collector.settings import CollectorSettings
-from collector.targets import InProcessTarget
-from engine import EngineSettings, PruningEngine
-from engine.loading import check_model_dir
-from probes import load_probes
-from records.metrics import CollectorMetrics
-from records.results import utcnow
-from records.store import ResultRepository, connect_without_writing, create_schema
+from prunewatch.collector.exporters import LogExporter, SqlExporter
+from prunewatch.collector.exposition import start_metrics_server
+from prunewatch.collector.governor import GovernedTarget, Governor, GovernorSettings, start_governing
+from prunewatch.collector.live_table import round_table
+from prunewatch.collector.probe_round import RoundSummary
+from prunewatch.collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
+from prunewatch.collector.settings import CollectorSettings
+from prunewatch.collector.targets import InProcessTarget
+from prunewatch.engine import EngineSettings, PruningEngine
+from prunewatch.engine.loading import check_model_dir
+from prunewatch.probes import load_probes
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.results import utcnow
+from prunewatch.records.store import ResultRepository, connect_without_writing, create_schema
 
 logger = logging.getLogger("prunewatch.collector")
 
@@ -41,7 +41,7 @@ def _embedded_alerting(settings: CollectorSettings, db):
     """The same rules as Prometheus, evaluated over the store; state kept beside a SQLite store."""
     from sqlalchemy.engine import make_url
 
-    from alerts import AlertingSettings, EmbeddedAlerting
+    from prunewatch.alerts import AlertingSettings, EmbeddedAlerting
 
     alert_settings = AlertingSettings()
     if "state_path" not in alert_settings.model_fields_set:  # default: beside a SQLite store

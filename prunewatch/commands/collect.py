@@ -17,10 +17,10 @@ from pathlib import Path
 
 import typer
 
-from collector.settings import INTERVAL_ENV
 from prunewatch.cli_errors import fail, first_validation_error
-from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
-from records.store.database import safe_url
+from prunewatch.collector.settings import INTERVAL_ENV
+from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
+from prunewatch.records.store.database import safe_url
 
 
 def configure_logging(verbose: bool) -> None:
@@ -46,13 +46,13 @@ def collect_command(
     """The production collector: every configured target on its schedule, PostgreSQL, nothing lost."""
     from pydantic import ValidationError
 
-    from collector.exposition import MetricsPortError
-    from collector.fleet import FleetSettings, build_jobs, run_collector
-    from collector.spool import SpoolError
-    from collector.target_config import TargetConfigError, load_targets
-    from engine.errors import EngineError
-    from probes import ProbeFileError, load_probes
-    from records.store import StoreUnavailableError, connect
+    from prunewatch.collector.exposition import MetricsPortError
+    from prunewatch.collector.fleet import FleetSettings, build_jobs, run_collector
+    from prunewatch.collector.spool import SpoolError
+    from prunewatch.collector.target_config import TargetConfigError, load_targets
+    from prunewatch.engine.errors import EngineError
+    from prunewatch.probes import ProbeFileError, load_probes
+    from prunewatch.records.store import StoreUnavailableError, connect
 
     configure_logging(verbose)
     try:
@@ -90,8 +90,8 @@ def db_upgrade_command(
     revision: str = typer.Option("head", "--revision", help="Target revision (default: the newest)."),
 ) -> None:
     """Create or migrate the store's schema (Alembic)."""
-    from records.store import StoreUnavailableError, connect
-    from records.store.migrate import upgrade
+    from prunewatch.records.store import StoreUnavailableError, connect
+    from prunewatch.records.store.migrate import upgrade
 
     try:
         engine = connect(db)
@@ -119,9 +119,9 @@ def db_prune_command(
     yes: bool = typer.Option(False, "--yes", help="Prune with an age under a day (`30m` is 30 minutes, not months)."),
 ) -> None:
     """Retention: delete probe results (and emptied rounds) and superseded governor decisions older than the given age."""
-    from records.store import StoreUnavailableError, connect_existing
-    from records.store.migrate import is_current
-    from records.store.retention import parse_age, prune_older_than
+    from prunewatch.records.store import StoreUnavailableError, connect_existing
+    from prunewatch.records.store.migrate import is_current
+    from prunewatch.records.store.retention import parse_age, prune_older_than
 
     try:
         age = parse_age(older_than)
@@ -177,14 +177,14 @@ def tune_command(
     rules override)."""
     import dataclasses
 
-    from alerts.settings import RuleSettings
-    from collector.fleet import FleetSettings, build_jobs, load_engine_cached
-    from collector.target_config import TargetConfigError, load_targets
-    from collector.targets import InProcessTarget
-    from collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
-    from engine.errors import EngineError
-    from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+    from prunewatch.alerts.settings import RuleSettings
+    from prunewatch.collector.fleet import FleetSettings, build_jobs, load_engine_cached
+    from prunewatch.collector.target_config import TargetConfigError, load_targets
+    from prunewatch.collector.targets import InProcessTarget
+    from prunewatch.collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
+    from prunewatch.engine.errors import EngineError
     from prunewatch.models_cli import model_folder
+    from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
 
     configure_logging(False)
     if (model is None) == (config is None) or (config is not None) != (target is not None):
@@ -237,10 +237,10 @@ def doctor_command(
                                     help="The collector's /metrics (default from the file's metrics_host/port)."),
 ) -> None:
     """The pruning autopsy: one PASS/FAIL line per check with what to do; exit code 1 if any FAIL."""
-    from collector.doctor import run_doctor
-    from collector.fleet import FleetSettings
-    from collector.target_config import TargetConfigError, load_targets
-    from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+    from prunewatch.collector.doctor import run_doctor
+    from prunewatch.collector.fleet import FleetSettings
+    from prunewatch.collector.target_config import TargetConfigError, load_targets
+    from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
 
     configure_logging(False)
     if config is None:
@@ -278,11 +278,11 @@ def _main_job_doctor(db: str | None, metrics_url: str | None):
     from its PRUNEWATCH_* variables and defaults (the model: PRUNEWATCH_MODEL_DIR, else the default model)."""
     from pydantic import ValidationError
 
-    from collector.settings import CollectorSettings
-    from collector.target_config import ResolvedTarget
-    from engine.errors import EngineError
-    from probes import ProbeFileError, load_probes
+    from prunewatch.collector.settings import CollectorSettings
+    from prunewatch.collector.target_config import ResolvedTarget
+    from prunewatch.engine.errors import EngineError
     from prunewatch.models_cli import main_job_model
+    from prunewatch.probes import ProbeFileError, load_probes
 
     try:
         settings = CollectorSettings()

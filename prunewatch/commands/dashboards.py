@@ -7,10 +7,10 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
-from dashboards.export import JSON_DIR, check_exported, export_dashboards
-from dashboards.push import GrafanaPushError, PushSettings, push_dashboards
-from dashboards.settings import DashboardSettings
 from prunewatch.cli_errors import fail, first_validation_error
+from prunewatch.dashboards.export import JSON_DIR, check_exported, export_dashboards
+from prunewatch.dashboards.push import GrafanaPushError, PushSettings, push_dashboards
+from prunewatch.dashboards.settings import DashboardSettings
 
 
 def _settings(usd_per_million_tokens: float, gpu_usd_per_hour: float) -> DashboardSettings:
@@ -57,7 +57,7 @@ def push_command(
         DashboardSettings().gpu_usd_per_hour, help="Configured GPU $ per hour (cost panel default)."),
 ) -> None:
     """Create or update the dashboards in a running Grafana (token from the GRAFANA_TOKEN variable)."""
-    from dashboards.build import build_dashboards
+    from prunewatch.dashboards.build import build_dashboards
 
     dashboard_settings = _settings(usd_per_million_tokens, gpu_usd_per_hour)
     try:

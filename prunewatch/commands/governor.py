@@ -8,7 +8,7 @@ from __future__ import annotations
 import typer
 
 from prunewatch.cli_errors import fail
-from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
+from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 def status_command(
@@ -20,8 +20,8 @@ def status_command(
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.orm import Session
 
-    from records.store import StoreUnavailableError, connect_existing, safe_url
-    from records.store.governor import GovernorRepository
+    from prunewatch.records.store import StoreUnavailableError, connect_existing, safe_url
+    from prunewatch.records.store.governor import GovernorRepository
 
     try:
         engine = connect_existing(db)

@@ -14,14 +14,13 @@ from pathlib import Path
 import typer
 
 from prunewatch.cli_errors import fail
-from records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
-
+from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 def app_path() -> Path:
     """The Streamlit script of the ROI part, found without importing it (it loads pandas and plotly)."""
-    spec = importlib.util.find_spec("roi.app")
-    assert spec is not None and spec.origin is not None, "the roi package ships roi/app.py"
+    spec = importlib.util.find_spec("prunewatch.roi.app")
+    assert spec is not None and spec.origin is not None, "the roi package ships prunewatch/roi/app.py"
     return Path(spec.origin)
 
 
@@ -32,14 +31,14 @@ def roi_command(
     days: int = typer.Option(30, help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days)."),
 ) -> None:
     """Open the ROI calculator (Streamlit) on the store's measurements; PRUNEWATCH_ROI_PASSWORD locks it."""
-    from records.store import safe_url
-    from roi.errors import RoiStoreError
-    from roi.settings import (
+    from prunewatch.records.store import safe_url
+    from prunewatch.roi.errors import RoiStoreError
+    from prunewatch.roi.settings import (
         DEFAULT_DAYS_ENV,
         PASSWORD_ENV,
         WINDOW_CHOICES_DAYS,
     )
-    from roi.store import check_store
+    from prunewatch.roi.store import check_store
 
     if days not in WINDOW_CHOICES_DAYS:
         raise fail(f"--days must be one of {', '.join(map(str, WINDOW_CHOICES_DAYS))}, got {days}")
@@ -47,7 +46,7 @@ def roi_command(
         check_store(db)
     except RoiStoreError as exc:
         raise fail(str(exc))
-    from server.run import ServeAddressError, bind_listener
+    from prunewatch.server.run import ServeAddressError, bind_listener
 
     try:  # Streamlit's own message for a taken port is not one line with exit 2
         bind_listener(host, port, what="the ROI app").close()
@@ -72,13 +71,13 @@ def report_command(
     assumptions: Path = typer.Option(None, help="JSON file of assumptions (the app's 'download assumptions')."),
 ) -> None:
     """Write the CFO report (PDF + HTML): savings with their basis, trends, method, assumptions, quality kept."""
-    from roi.assumptions import Assumptions
-    from roi.costs import Basis
-    from roi.errors import NoMeasurementsError, NoTrafficError, RoiError
-    from roi.formatting import payback_text, usd
-    from roi.report import REPORT_DAYS
-    from roi.report_files import generate_report
-    from records.store import safe_url
+    from prunewatch.records.store import safe_url
+    from prunewatch.roi.assumptions import Assumptions
+    from prunewatch.roi.costs import Basis
+    from prunewatch.roi.errors import NoMeasurementsError, NoTrafficError, RoiError
+    from prunewatch.roi.formatting import payback_text, usd
+    from prunewatch.roi.report import REPORT_DAYS
+    from prunewatch.roi.report_files import generate_report
 
     if days not in REPORT_DAYS:
         raise fail(f"--days must be one of {', '.join(map(str, REPORT_DAYS))}, got {days}")

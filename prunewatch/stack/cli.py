@@ -32,7 +32,7 @@ def stack_up_command(
                                        help="Dense baseline runs every N rounds per engine (default 10)."),
     scrape_interval: int = typer.Option(None, "--scrape-interval", help="Prometheus scrape interval, s (default 15)."),
     alert_group_wait: int = typer.Option(None, "--alert-group-wait",
-                                         help="Alertmanager group_wait in s (default: alerts/alertmanager.yml's)."),
+                                         help="Alertmanager group_wait in s (default: prunewatch/alerts/alertmanager.yml's)."),
     calibration_dir: Path = typer.Option(None, "--calibration-dir", help="Calibration cache the engines share."),
     start_timeout: float = typer.Option(None, "--start-timeout", help="Longest wait per service, s (default 180)."),
 ) -> None:

@@ -1,6 +1,6 @@
 """The local stack's config files: the compose stack's configs with 127.0.0.1 ports and state-dir paths.
 
-Same rule file (alerts/rules.yml), same Alertmanager routes and templates (alerts/alertmanager.yml),
+Same rule file (prunewatch/alerts/rules.yml), same Alertmanager routes and templates (prunewatch/alerts/alertmanager.yml),
 same scrape job names and the same API-key arrangement as docker-compose.yml: only addresses and
 file paths differ. Engines are listed in a file_sd file, the way engines on several hosts are
 discovered in production (README "Scale-out").
@@ -67,7 +67,7 @@ def targets_config(engines: list[EngineEndpoint], *, model: str, probes_path: Pa
 def prometheus_config(*, collector_port: int, engines_file: Path, alertmanager_port: int, key_file: Path,
                       scrape_interval_s: int) -> dict[str, Any]:
     """Scrape the collector and every engine listed in `engines_file`; load the committed rules."""
-    from alerts.settings import RULES_PATH  # imported here: `stack down` needs none of the alerting code
+    from prunewatch.alerts.settings import RULES_PATH  # imported here: `stack down` needs none of the alerting code
 
     interval = f"{scrape_interval_s}s"
     return {
@@ -90,12 +90,12 @@ def engines_file_sd(engines: list[EngineEndpoint]) -> list[dict[str, Any]]:
 
 def alertmanager_config(secrets_dir: Path, sink_port: int,
                         group_wait_s: int | None) -> tuple[dict[str, Any], list[Path]]:
-    """alerts/alertmanager.yml with each api_url_file moved into the state dir, pointing at the Slack sink.
+    """prunewatch/alerts/alertmanager.yml with each api_url_file moved into the state dir, pointing at the Slack sink.
 
     Each webhook file gets the sink URL plus the file's name as its path, so the sink's log tells
     which receiver (critical or warning channel) a message was routed to.
     """
-    from alerts.settings import ALERTMANAGER_PATH
+    from prunewatch.alerts.settings import ALERTMANAGER_PATH
 
     config = yaml.safe_load(ALERTMANAGER_PATH.read_text())
     written: list[Path] = []

@@ -17,11 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prunewatch.stack import configs
-from prunewatch.stack.settings import StackSettings
-from prunewatch.stack.state import NoStackStateError, Service, StackState, StateError
-from records.settings import STORE_URL_ENV
-from services import (
+from prunewatch.records.settings import STORE_URL_ENV
+from prunewatch.services import (
     ALERTMANAGER_BINARIES,
     PROMETHEUS_BINARIES,
     LocalPostgres,
@@ -35,6 +32,9 @@ from services import (
     wait_for_http,
     wait_until,
 )
+from prunewatch.stack import configs
+from prunewatch.stack.settings import StackSettings
+from prunewatch.stack.state import NoStackStateError, Service, StackState, StateError
 
 # The order `stack up` lists the services in.
 DISPLAY_ORDER = ("postgres", "engine-", "collector", "prometheus", "alertmanager", "slack-sink", "roi")
@@ -225,8 +225,8 @@ def _start(settings: StackSettings, state: StackState, say: Callable[[str], None
 
 def _migrate(store_url: str, pg: ProcessRecord) -> None:
     """Bring the store to the newest schema, as `prunewatch db upgrade` does."""
-    from records.store import StoreUnavailableError, connect
-    from records.store.migrate import upgrade
+    from prunewatch.records.store import StoreUnavailableError, connect
+    from prunewatch.records.store.migrate import upgrade
 
     try:
         engine = connect(store_url)

@@ -26,7 +26,7 @@ def serve_command(
     calibration_dir: Path = typer.Option(None, help="Calibration cache (default: the engine's)."),
 ) -> None:
     """The engine's OpenAI-compatible server (API keys from PRUNEWATCH_API_KEYS_FILE)."""
-    from server import serve
+    from prunewatch.server import serve
 
     if device not in ("auto", "cpu", "cuda"):
         typer.echo(f"error: --device must be auto, cpu or cuda, got {device!r}", err=True)

@@ -8,12 +8,12 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.model_store import PROBE_MODEL_DIR
-from collector.settings import INTERVAL_ENV
-from probes import DEFAULT_PROBES_PATH
+from prunewatch.collector.settings import INTERVAL_ENV
+from prunewatch.engine.model_store import PROBE_MODEL_DIR
+from prunewatch.probes import DEFAULT_PROBES_PATH
 
 DEFAULT_STATE_DIR = Path(".prunewatch") / "stack"
-# The bundled probe model (the same folder collector.settings names; not imported from there,
+# The bundled probe model (the same folder prunewatch.collector.settings names; not imported from there,
 # so `stack down` does not pay for importing the collector and torch).
 
 
@@ -45,7 +45,7 @@ class StackSettings(BaseSettings):
         description="Prometheus scrape and rule-evaluation interval (15 s as in the compose stack).")
     alert_group_wait_s: int | None = Field(
         None, ge=0, le=3600,
-        description="Override of Alertmanager's group_wait (None keeps alerts/alertmanager.yml's 30s).")
+        description="Override of Alertmanager's group_wait (None keeps prunewatch/alerts/alertmanager.yml's 30s).")
     calibration_dir: Path | None = Field(
         None, description="Calibration cache shared by the engines (None: the engine's default cache).")
     start_timeout_s: float = Field(

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services import ProcessRecord
+from prunewatch.services import ProcessRecord
 
 STATE_FILE = "stack.json"
 FORMAT = 1

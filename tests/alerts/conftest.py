@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from records.results import ProbeResult
-from records.store import ResultRepository, connect, create_schema
+from prunewatch.records.results import ProbeResult
+from prunewatch.records.store import ResultRepository, connect, create_schema
 from tests.alerts.slack_receiver import SlackReceiver
 
-T0 = datetime(2026, 3, 2, 9, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 3, 2, 9, 0, 0, tzinfo=UTC)
 
 
 def result(at: datetime, domain: str, probe: str, *, ratio: float | None = 0.3, agreement: float | None = 0.9,

@@ -1,4 +1,4 @@
-"""Read alerts/rules_test.yml and turn a test's input series into the probe results that would produce them.
+"""Read prunewatch/alerts/rules_test.yml and turn a test's input series into the probe results that would produce them.
 
 The conversion is the inverse of CollectorMetrics.record: a gauge sample is one successful result
 carrying that value; a counter's increase between two samples is that many results; a histogram's
@@ -13,19 +13,19 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from alerts._series import GOVERNOR_CLAMPS_TOTAL
-from alerts.durations import parse_duration
-from records.metrics import LATENCY_BUCKETS
-from records.results import ProbeResult
-from records.store.governor import GovernorDecision
+from prunewatch.alerts._series import GOVERNOR_CLAMPS_TOTAL
+from prunewatch.alerts.durations import parse_duration
+from prunewatch.records.metrics import LATENCY_BUCKETS
+from prunewatch.records.results import ProbeResult
+from prunewatch.records.store.governor import GovernorDecision
 
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # promtool evaluates from Unix time 0
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # promtool evaluates from Unix time 0
 GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_token_agreement": "token_agreement"}
 BUCKET_METRIC = "prunewatch_inference_latency_seconds_bucket"
 RESULTS = "prunewatch_probe_results_total"
@@ -209,7 +209,7 @@ def decisions_for(case: dict[str, Any]) -> list[GovernorDecision]:
             continue
         steps = _increments(s)
         for i in sorted({first, *steps}):
-            for k in range(max(1, steps.get(i, 0))):
+            for _ in range(max(1, steps.get(i, 0))):
                 clamped = i in steps
                 decisions.append((i, GovernorDecision(
                     decided_at=EPOCH + interval * i, target=s.labels["target"], model="probe-llama",

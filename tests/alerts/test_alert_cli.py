@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from alerts import RULES_PATH
+from prunewatch.alerts import RULES_PATH
 from prunewatch.commands.alerts import check_command, eval_command, render_rules_command
 from tests.alerts.conftest import T0, result, store_results
 

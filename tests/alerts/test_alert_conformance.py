@@ -1,4 +1,4 @@
-"""The embedded evaluator against promtool's own test cases (alerts/rules_test.yml).
+"""The embedded evaluator against promtool's own test cases (prunewatch/alerts/rules_test.yml).
 
 Each case's input series become stored probe results (and governor decisions) in a real SQLite store; the evaluator steps
 through the same evaluation times as promtool and must produce exactly the expected alerts
@@ -16,11 +16,11 @@ import pytest
 import yaml
 from sqlalchemy.orm import Session
 
-from alerts import AlertingSettings, EmbeddedAlerting
-from alerts.durations import parse_duration
-from alerts.settings import RULES_PATH
-from records.store import ResultRepository, connect, create_schema
-from records.store.governor import GovernorRepository
+from prunewatch.alerts import AlertingSettings, EmbeddedAlerting
+from prunewatch.alerts.durations import parse_duration
+from prunewatch.alerts.settings import RULES_PATH
+from prunewatch.records.store import ResultRepository, connect, create_schema
+from prunewatch.records.store.governor import GovernorRepository
 from tests.alerts.promtool_cases import (
     EPOCH,
     NotConvertible,

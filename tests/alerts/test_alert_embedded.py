@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from alerts import (
+from prunewatch.alerts import (
     AlertingSettings,
     EmbeddedAlerting,
     RuleSettings,
     UnsupportedRulesError,
     render_rules,
 )
-from alerts.slack import slack_text, slack_title
-from records.store import connect
+from prunewatch.alerts.slack import slack_text, slack_title
+from prunewatch.records.store import connect
 from tests.alerts.conftest import T0, result, store_results
 from tests.alerts.slack_receiver import SlackReceiver
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from pydantic import SecretStr
 from sqlalchemy.orm import Session
 
-from alerts import AlertingSettings, EmbeddedAlerting, RuleSettings, render_rules
-from records.store import ResultRepository, connect
+from prunewatch.alerts import AlertingSettings, EmbeddedAlerting, RuleSettings, render_rules
+from prunewatch.records.store import ResultRepository, connect
 from tests.alerts.slack_receiver import SlackReceiver
 
 

@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import pytest
 
-from alerts._engine import Engine, bucket_quantile
-from alerts._parser import (
+from prunewatch.alerts._engine import Engine, bucket_quantile
+from prunewatch.alerts._parser import (
     AGGREGATIONS,
     COMPARISONS,
     PromQLSyntaxError,
@@ -18,11 +18,11 @@ from alerts._parser import (
     parse,
     top_level_binary,
 )
-from alerts._series import StoreSeries
-from alerts._templates import UnsupportedTemplate, render
-from alerts.durations import format_duration, parse_duration
-from alerts.evaluator import AlertEvaluator
-from alerts.ruleset import RuleFileError, load_rules
+from prunewatch.alerts._series import StoreSeries
+from prunewatch.alerts._templates import UnsupportedTemplate, render
+from prunewatch.alerts.durations import format_duration, parse_duration
+from prunewatch.alerts.evaluator import AlertEvaluator
+from prunewatch.alerts.ruleset import RuleFileError, load_rules
 from tests.alerts.conftest import T0, result
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from alerts.history import StoreHistory
+from prunewatch.alerts.history import StoreHistory
 from tests.alerts.conftest import T0, result, store_results
 
 

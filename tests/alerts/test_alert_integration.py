@@ -14,21 +14,22 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 from sqlalchemy.orm import Session
 
-from alerts import RuleSettings, render_rules
-from alerts.settings import ALERTMANAGER_PATH
-from alerts.slack import slack_text, slack_title
-from records.metrics import CollectorMetrics
-from records.results import ProbeResult
-from records.store import ResultRepository, connect
+from prunewatch.alerts import RuleSettings, render_rules
+from prunewatch.alerts.settings import ALERTMANAGER_PATH
+from prunewatch.alerts.slack import slack_text, slack_title
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.results import ProbeResult
+from prunewatch.records.store import ResultRepository, connect
 from tests.alerts.slack_receiver import SlackReceiver
 from tests.support.servers import (
     ProcessServer,
@@ -57,7 +58,7 @@ class Stack:
     def record(self, domain: str, ratio: float | None = None) -> None:
         """Record the domain's real results again (now), with the pruning ratio replaced when given."""
         for real in (r for r in self.results if r.domain == domain):
-            changes: dict[str, Any] = {"created_at": datetime.now(timezone.utc), "result_id": uuid.uuid4().hex}
+            changes: dict[str, Any] = {"created_at": datetime.now(UTC), "result_id": uuid.uuid4().hex}
             if ratio is not None:
                 changes["pruning_ratio"] = ratio
             self.metrics.record(dataclasses.replace(real, **changes))
@@ -179,7 +180,7 @@ def failed_notifications(stack: Stack) -> float:
 
 
 def test_probe_failing_inhibits_quality_risk_in_alertmanager(stack: Stack) -> None:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     common = {"model": stack.model, "domain": "finance", "severity": "critical", "target": stack.results[0].target}
     alerts = [{"labels": {**common, "alertname": name}, "annotations": {"summary": name, "description": "d",
                                                                           "runbook": "r"},

@@ -10,10 +10,10 @@ import yaml
 from promql_parser import BinaryExpr, ParenExpr
 from pydantic import ValidationError
 
-from alerts import RULES_PATH, RuleSettings, render_rules
-from alerts._parser import parse
-from alerts.rules import compare
-from records.promql import (
+from prunewatch.alerts import RULES_PATH, RuleSettings, render_rules
+from prunewatch.alerts._parser import parse
+from prunewatch.alerts.rules import compare
+from prunewatch.records.promql import (
     PROMQL_AGREEMENT_AVG_1H,
     PROMQL_AGREEMENT_BY_DOMAIN,
     PROMQL_BUFFER_DEPTH,
@@ -49,7 +49,7 @@ def alert_rules(text: str) -> list[dict]:
 
 def test_committed_rules_equal_the_rendering_of_the_defaults(defaults: RuleSettings) -> None:
     assert RULES_PATH.read_text() == render_rules(defaults), \
-        "alerts/rules.yml is stale: run `prunewatch alerts render-rules --out alerts/rules.yml`"
+        "prunewatch/alerts/rules.yml is stale: run `prunewatch alerts render-rules --out prunewatch/alerts/rules.yml`"
 
 
 def test_alerts_compare_the_promql_constants_verbatim(defaults: RuleSettings) -> None:

@@ -8,10 +8,10 @@ from datetime import timedelta
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from alerts._series import GAUGES, NAME, StoreSeries, counter_names
-from records.metrics import CollectorMetrics
-from records.results import FAILURE_REASONS, ProbeResult
-from records.store import ResultRepository, connect
+from prunewatch.alerts._series import GAUGES, NAME, StoreSeries, counter_names
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.results import FAILURE_REASONS, ProbeResult
+from prunewatch.records.store import ResultRepository, connect
 from tests.alerts.conftest import T0, result
 
 

@@ -1,8 +1,8 @@
 """The checks Prometheus users trust, run on the committed files (the same lines .ci/run runs).
 
-    promtool check rules alerts/rules.yml
-    promtool test rules alerts/rules_test.yml
-    amtool check-config alerts/alertmanager.yml
+    promtool check rules prunewatch/alerts/rules.yml
+    promtool test rules prunewatch/alerts/rules_test.yml
+    amtool check-config prunewatch/alerts/alertmanager.yml
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts import RuleSettings, render_rules
-from alerts.settings import ALERTMANAGER_PATH, RULES_PATH
+from prunewatch.alerts import RuleSettings, render_rules
+from prunewatch.alerts.settings import ALERTMANAGER_PATH, RULES_PATH
 
 REPO = RULES_PATH.parent.parent
 
@@ -32,13 +32,13 @@ def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 
 def test_promtool_check_rules() -> None:
-    done = run("promtool", "check", "rules", "alerts/rules.yml")
+    done = run("promtool", "check", "rules", "prunewatch/alerts/rules.yml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS: 19 rules found" in done.stdout
 
 
 def test_promtool_test_rules() -> None:
-    done = run("promtool", "test", "rules", "alerts/rules_test.yml")
+    done = run("promtool", "test", "rules", "prunewatch/alerts/rules_test.yml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout
 
@@ -55,7 +55,7 @@ def test_promtool_tests_pin_the_thresholds(tmp_path: Path) -> None:
 
 
 def test_amtool_check_config() -> None:
-    done = run("amtool", "check-config", "alerts/alertmanager.yml")
+    done = run("amtool", "check-config", "prunewatch/alerts/alertmanager.yml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 inhibit rules" in done.stdout and "2 receivers" in done.stdout
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from probes import Probe
-from records.results import ProbeResult
+from prunewatch.probes import Probe
+from prunewatch.records.results import ProbeResult
 
 PROBE = Probe(id="tech-route", domain="tech", version=3, max_tokens=8, system="Be brief.", prompt="Show routes.")
 
@@ -14,7 +14,7 @@ def ok_result(**overrides) -> ProbeResult:
     values = dict(
         target="embedded", model="probe-llama", probe_id=PROBE.id, probe_version=PROBE.version,
         probe_hash=PROBE.content_hash, domain=PROBE.domain, status="ok", round_id="r" * 32,
-        created_at=datetime(2026, 11, 29, 12, 0, 0, 123000, tzinfo=timezone.utc),
+        created_at=datetime(2026, 11, 29, 12, 0, 0, 123000, tzinfo=UTC),
         sensitivity=0.5, pruning_ratio=0.3125, ratio_unit="linear_flops", ratio_source="measured",
         executed_flops=123_456_789_012, dense_flops=179_574_420_381, layers_bypassed=[3, 7, 9], layers_total=12,
         heads_gated=0, activation_sparsity=0.0, prompt_tokens=41, completion_tokens=8, preprocessing_ms=1.5,

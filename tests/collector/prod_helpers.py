@@ -6,18 +6,18 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import psycopg
 from sqlalchemy import text
 
-from engine.stats import GenerationResult, RequestStats
-from probes import Probe, ProbeSet
-from records.store import connect
-from services import PUSHGATEWAY_BINARIES, find_binary, free_port, launch, stop, wait_for_http, which_binary
+from prunewatch.engine.stats import GenerationResult, RequestStats
+from prunewatch.probes import Probe, ProbeSet
+from prunewatch.records.store import connect
+from prunewatch.services import PUSHGATEWAY_BINARIES, find_binary, free_port, launch, stop, wait_for_http, which_binary
 
 PROBES = ProbeSet(tuple(
     Probe(id=f"{domain}-{i}", domain=domain, version=1, max_tokens=4, system="", prompt=f"{domain} question {i}")
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     import logging
     import sys
 
-    from collector.fleet import FleetSettings, run_collector
-    from collector.scheduler import TargetJob
+    from prunewatch.collector.fleet import FleetSettings, run_collector
+    from prunewatch.collector.scheduler import TargetJob
 
     db_url, buffer_path, port, rounds, delay = (argv or sys.argv[1:])[:5]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")

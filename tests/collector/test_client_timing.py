@@ -7,7 +7,7 @@ stream, which is what a llama.cpp or vLLM server would get too.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from statistics import fmean
 
 import httpx
@@ -15,18 +15,18 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-import collector.http_target as http_target
-from collector.fleet import FleetSettings, run_collector
-from collector.http_target import HttpTarget, StreamTiming, read_event_stream
-from collector.scheduler import TargetJob
-from collector.targets import InProcessTarget
-from probes import Probe
-from records.metrics import CollectorMetrics
-from records.store import ResultRepository, connect
-from roi import Assumptions, Window, calculate
-from roi.provenance import Provenance
-from server.app import create_app
-from server.settings import ServerSettings
+import prunewatch.collector.http_target as http_target
+from prunewatch.collector.fleet import FleetSettings, run_collector
+from prunewatch.collector.http_target import HttpTarget, StreamTiming, read_event_stream
+from prunewatch.collector.scheduler import TargetJob
+from prunewatch.collector.targets import InProcessTarget
+from prunewatch.probes import Probe
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.store import ResultRepository, connect
+from prunewatch.roi import Assumptions, Window, calculate
+from prunewatch.roi.provenance import Provenance
+from prunewatch.server.app import create_app
+from prunewatch.server.settings import ServerSettings
 from tests.collector.prod_helpers import SMALL_PROBES, serving
 
 PROBE = Probe(id="p", domain="tech", version=1, max_tokens=8, system="", prompt="hi")
@@ -106,7 +106,7 @@ def test_openai_target_stores_client_ttft_decode_speed_and_total_time(probe_engi
 def test_baselines_make_the_reports_before_figure_measured(probe_engine, tmp_path):
     """Baselines every 2 rounds over 3 rounds: rounds 1 and 3 also run dense, and ROI's 'before' is their mean."""
     store = f"sqlite:///{tmp_path / 'baseline.db'}"
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     metrics = CollectorMetrics(CollectorRegistry())
     job = TargetJob(InProcessTarget(probe_engine, name="embedded", sensitivity=0.5), SMALL_PROBES, interval_s=0.2,
                     baseline_every=2)
@@ -125,7 +125,7 @@ def test_baselines_make_the_reports_before_figure_measured(probe_engine, tmp_pat
     assert all(r.sensitivity == 0.5 and r.token_agreement is not None for r in pruned)
     assert len({r.round_id for r in dense}) == 2
 
-    window = Window(start=started - timedelta(minutes=1), end=datetime.now(timezone.utc) + timedelta(minutes=1))
+    window = Window(start=started - timedelta(minutes=1), end=datetime.now(UTC) + timedelta(minutes=1))
     summary, result = calculate(stored, window, Assumptions())
     per_probe = [fmean(r.inference_ms for r in dense if r.probe_id == p.id) for p in SMALL_PROBES.probes]
     before = result.inputs.dense_inference_s

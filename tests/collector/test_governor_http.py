@@ -21,14 +21,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from collector.fleet import FleetSettings, run_collector
-from collector.governor import BREACH, RELAX, GovernorSettings, governed
-from collector.http_target import HttpTarget
-from collector.scheduler import TargetJob
-from probes import ProbeSet, load_probes
-from records.metrics import CollectorMetrics
-from records.store import connect
-from records.store.governor import GovernorRepository
+from prunewatch.collector.fleet import FleetSettings, run_collector
+from prunewatch.collector.governor import BREACH, RELAX, GovernorSettings, governed
+from prunewatch.collector.http_target import HttpTarget
+from prunewatch.collector.scheduler import TargetJob
+from prunewatch.probes import ProbeSet, load_probes
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.store import connect
+from prunewatch.records.store.governor import GovernorRepository
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration

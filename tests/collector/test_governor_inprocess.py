@@ -21,15 +21,15 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from collector.fleet import FleetSettings, run_collector
-from collector.governor import BREACH, RELAX, GovernorSettings, decide, governed
-from collector.scheduler import TargetJob
-from alerts.settings import RULES_PATH
-from collector.targets import InProcessTarget
-from probes import ProbeSet, load_probes
-from records.metrics import CollectorMetrics
-from records.store import ResultRepository, connect
-from records.store.governor import GovernorRepository
+from prunewatch.alerts.settings import RULES_PATH
+from prunewatch.collector.fleet import FleetSettings, run_collector
+from prunewatch.collector.governor import BREACH, RELAX, GovernorSettings, decide, governed
+from prunewatch.collector.scheduler import TargetJob
+from prunewatch.collector.targets import InProcessTarget
+from prunewatch.probes import ProbeSet, load_probes
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.store import ResultRepository, connect
+from prunewatch.records.store.governor import GovernorRepository
 
 FLOOR = 0.95
 SETTINGS = GovernorSettings(floor=FLOOR, margin=0.02, step_down=0.5, step_up=0.05, relax_after=1)
@@ -40,7 +40,7 @@ DOMAIN = "tech"
 @pytest.fixture(scope="module")
 def default_engine(probe_model_dir, tmp_path_factory):
     """The engine with its default settings (what `prunewatch serve` runs), calibrated on the canonical probes."""
-    from engine import EngineSettings, PruningEngine
+    from prunewatch.engine import EngineSettings, PruningEngine
 
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
                                                calibration_dir=tmp_path_factory.mktemp("calibration")))
@@ -141,7 +141,7 @@ def assert_embedded_clamp_alert_fires_once(url: str, decisions: list) -> None:
     PruningGovernorClamped once, at the breach's round, and resolves it when the breach leaves the window."""
     from datetime import timedelta
 
-    from alerts import AlertingSettings, EmbeddedAlerting
+    from prunewatch.alerts import AlertingSettings, EmbeddedAlerting
 
     store = connect(url)
     alerting = EmbeddedAlerting(AlertingSettings(state_path=None), store)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from collector.governor import (
+from prunewatch.collector.governor import (
     BREACH,
     BREACH_AT_MIN,
     HOLD,
@@ -26,18 +26,18 @@ from collector.governor import (
     round_evidence,
     start_governing,
 )
-from collector.http_target import HttpTarget
-from collector.scheduler import TargetJob
-from collector.target_config import TargetConfigError, load_targets
-from probes import Probe, ProbeSet
-from records.governor_metrics import GovernorMetrics
-from records.results import ProbeResult
-from records.store import connect, create_schema
-from records.store.governor import GovernorRepository
+from prunewatch.collector.http_target import HttpTarget
+from prunewatch.collector.scheduler import TargetJob
+from prunewatch.collector.target_config import TargetConfigError, load_targets
+from prunewatch.probes import Probe, ProbeSet
+from prunewatch.records.governor_metrics import GovernorMetrics
+from prunewatch.records.results import ProbeResult
+from prunewatch.records.store import connect, create_schema
+from prunewatch.records.store.governor import GovernorRepository
 
 S = GovernorSettings(floor=0.9, step_down=0.2, step_up=0.05, margin=0.02, relax_after=3, min_sensitivity=0.1,
                      max_sensitivity=0.9)
-T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
 
 def probe(domain: str, n: int = 1) -> Probe:
@@ -132,7 +132,9 @@ def test_governor_records_every_decision_and_counts_clamps(tmp_path) -> None:
     governor = Governor({"t": S}, metrics=GovernorMetrics(registry), sink=DecisionWriter(store),
                         pushers={"t": pushed.append}, clock=Clock())
     governor.start("t", "m", ["legal"], 0.9)
-    clamps = lambda: registry.get_sample_value("prunewatch_governor_clamps_total", {"target": "t", "domain": "legal"})
+    def clamps() -> float | None:
+        return registry.get_sample_value("prunewatch_governor_clamps_total", {"target": "t", "domain": "legal"})
+
     assert clamps() == 0.0  # exists before the first clamp: Prometheus sees the first one as an increase
     for agreement in (0.5, 0.95, 0.95, 0.95, 0.91):
         governor.observe("t", "r" * 32, [result("legal", agreement)])
@@ -236,8 +238,8 @@ def test_targets_file_enables_the_governor_per_target(tmp_path) -> None:
 
 
 def test_build_jobs_wraps_governed_targets_under_one_governor(tmp_path, monkeypatch) -> None:
-    from collector.fleet import build_jobs
-    from probes import load_probes
+    from prunewatch.collector.fleet import build_jobs
+    from prunewatch.probes import load_probes
 
     monkeypatch.setenv("GOV_TEST_KEY", "sk-x")
     path = tmp_path / "targets.yaml"

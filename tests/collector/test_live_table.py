@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from rich.console import Console
 
-from collector.live_table import round_table
-from collector.probe_round import RoundSummary
+from prunewatch.collector.live_table import round_table
+from prunewatch.collector.probe_round import RoundSummary
 from tests.collector.factories import ok_result
 
 

@@ -5,8 +5,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from records.metrics import LATENCY_BUCKETS, CollectorMetrics
-from records.results import FAILURE_REASONS
+from prunewatch.records.metrics import LATENCY_BUCKETS, CollectorMetrics
+from prunewatch.records.results import FAILURE_REASONS
 from tests.collector.factories import ok_result
 from tests.support.servers import free_port
 
@@ -47,10 +47,10 @@ def test_failure_counters_exist_at_zero_before_the_first_failure():
 
 
 def test_every_failure_reason_the_collector_gives_is_preset():
-    from collector.http_target import TargetHTTPError
-    from collector.probe_round import classify_failure
-    from collector.targets import TargetError
-    from engine.errors import EngineError, InvalidRequestError
+    from prunewatch.collector.http_target import TargetHTTPError
+    from prunewatch.collector.probe_round import classify_failure
+    from prunewatch.collector.targets import TargetError
+    from prunewatch.engine.errors import EngineError, InvalidRequestError
 
     def subclasses(cls):
         for sub in cls.__subclasses__():

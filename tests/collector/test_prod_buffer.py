@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from collector.buffered import Backoff, BufferedStore
-from collector.spool import DiskSpool, SpoolError, result_from_payload, result_payload
-from records.metrics import CollectorMetrics
-from records.store import ResultRepository, connect, create_schema
+from prunewatch.collector.buffered import Backoff, BufferedStore
+from prunewatch.collector.spool import DiskSpool, SpoolError, result_from_payload, result_payload
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import ok_result
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
 def results(n: int, round_id: str = "a" * 32):
@@ -109,7 +109,7 @@ def test_replaying_a_committed_batch_writes_nothing_twice(tmp_path):
     assert rows(engine) == ([f"{i:032x}" for i in range(6)], 1)
     assert restarted.written == 3  # the 3 replayed results were skipped, not inserted again
     with Session(engine) as session:
-        from records.store.models import RoundRow
+        from prunewatch.records.store.models import RoundRow
 
         round_row = session.get(RoundRow, "a" * 32)
         assert (round_row.probes_ok, round_row.probes_failed) == (6, 0)

@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
-from collector.fleet import build_jobs
-from collector.target_config import TargetConfigError, load_targets
-from engine.model_store import PROBE_MODEL_DIR
+from prunewatch.collector.fleet import build_jobs
+from prunewatch.collector.target_config import TargetConfigError, load_targets
+from prunewatch.engine.model_store import PROBE_MODEL_DIR
 from tests.collector.prod_helpers import PROBES
 
 GOOD = """
@@ -124,7 +124,7 @@ def test_unknown_domain_and_unknown_target_name(tmp_path):
 def test_fleet_settings_hide_the_password_and_order_the_backoff():
     from pydantic import ValidationError
 
-    from collector.fleet import FleetSettings
+    from prunewatch.collector.fleet import FleetSettings
 
     settings = FleetSettings(db_url="postgresql+psycopg://prunewatch:s3cret@db:5432/prunewatch")
     assert "s3cret" not in repr(settings) and "s3cret" not in str(settings)

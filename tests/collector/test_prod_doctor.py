@@ -11,13 +11,13 @@ import typer
 from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
-from collector.exposition import start_metrics_server
+from prunewatch.collector.exposition import start_metrics_server
 from prunewatch.commands.collect import doctor_command
-from records.metrics import CollectorMetrics
-from records.store import connect
-from records.store.migrate import upgrade
-from server.app import create_app
-from server.settings import ServerSettings
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.store import connect
+from prunewatch.records.store.migrate import upgrade
+from prunewatch.server.app import create_app
+from prunewatch.server.settings import ServerSettings
 from tests.collector.prod_helpers import baseline_server, fresh_database, serving
 
 KEY = "sk-doctor"
@@ -132,10 +132,10 @@ def test_baseline_target_and_the_collector_metrics_endpoint(tmp_path):
 
 
 def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, probe_engine, calibration_dir):
-    from collector.doctor import diagnose_in_process
-    from collector.target_config import ResolvedTarget
-    from engine import EngineSettings, PruningEngine
-    from probes import load_probes
+    from prunewatch.collector.doctor import diagnose_in_process
+    from prunewatch.collector.target_config import ResolvedTarget
+    from prunewatch.engine import EngineSettings, PruningEngine
+    from prunewatch.probes import load_probes
 
     probe_set = load_probes()
     collecting = PruningEngine.load(EngineSettings(model_dir=probe_engine.settings.model_dir, device="cpu",

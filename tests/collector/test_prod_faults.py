@@ -12,9 +12,9 @@ from collections import Counter
 import psycopg
 import pytest
 
-from collector.fleet import FleetSettings, run_collector
-from collector.scheduler import TargetJob
-from records.metrics import CollectorMetrics
+from prunewatch.collector.fleet import FleetSettings, run_collector
+from prunewatch.collector.scheduler import TargetJob
+from prunewatch.records.metrics import CollectorMetrics
 from tests.collector.prod_helpers import (
     PROBES,
     FakeTarget,

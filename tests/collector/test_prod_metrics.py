@@ -9,10 +9,10 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from collector.fleet import FleetSettings, run_collector
-from collector.pushgateway import Pushgateway
-from collector.scheduler import TargetJob
-from records.metrics import CollectorMetrics
+from prunewatch.collector.fleet import FleetSettings, run_collector
+from prunewatch.collector.pushgateway import Pushgateway
+from prunewatch.collector.scheduler import TargetJob
+from prunewatch.records.metrics import CollectorMetrics
 from tests.collector.factories import ok_result
 from tests.collector.prod_helpers import (
     PROBES,
@@ -76,7 +76,7 @@ def test_short_run_pushes_its_samples_to_a_real_pushgateway(tmp_path):
 def test_metrics_server_renders_once_per_change_and_never_serves_stale_samples():
     import gzip
 
-    from collector.exposition import start_metrics_server
+    from prunewatch.collector.exposition import start_metrics_server
 
     metrics = CollectorMetrics(CollectorRegistry())
     depth = {"n": 0}

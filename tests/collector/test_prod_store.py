@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import typer
@@ -13,15 +13,15 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from prunewatch.commands.collect import db_prune_command, db_upgrade_command
-from records.store import ResultRepository, connect, create_schema
-from records.store.migrate import current_revision, downgrade, head_revision, upgrade
-from records.store.models import Base
-from records.store.governor import GovernorDecision, GovernorRepository
-from records.store.retention import parse_age, prune_older_than
+from prunewatch.records.store import ResultRepository, connect, create_schema
+from prunewatch.records.store.governor import GovernorDecision, GovernorRepository
+from prunewatch.records.store.migrate import current_revision, downgrade, head_revision, upgrade
+from prunewatch.records.store.models import Base
+from prunewatch.records.store.retention import parse_age, prune_older_than
 from tests.collector.factories import ok_result
 from tests.collector.prod_helpers import count_rows, fresh_database
 
-NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 QUERY_INDEXES = {"ix_probe_results_created_at", "ix_probe_results_target_created_at",
                  "ix_probe_results_domain_created_at", "ix_probe_results_model_domain_created_at",
                  "ix_probe_results_round_id"}
@@ -248,7 +248,7 @@ def test_db_commands_against_postgres(postgres):
     assert older.exit_code == 0
     assert "schema 0006 -> 0006 (already past 0003: an upgrade never goes back, nothing changed)" in older.output
     engine = connect(url)
-    seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(timezone.utc))  # the command prunes from the real now
+    seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(UTC))  # the command prunes from the real now
     engine.dispose()
     dry = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "90d", "--dry-run"])
     assert dry.exit_code == 0 and dry.output.startswith("would delete 2 result(s), 1 round(s) and 0 superseded ")
@@ -264,7 +264,7 @@ def test_db_prune_under_a_day_needs_yes(tmp_path):
     url = f"sqlite:///{tmp_path / 'r.db'}"
     engine = connect(url)
     create_schema(engine)
-    seed(engine, {"a": [0.5, 0.01], "b": [0.0001]}, now=datetime.now(timezone.utc))  # 12 h, 14 min and 9 s old
+    seed(engine, {"a": [0.5, 0.01], "b": [0.0001]}, now=datetime.now(UTC))  # 12 h, 14 min and 9 s old
     engine.dispose()
     runner = CliRunner()
     refused = runner.invoke(cli(), ["db", "prune", "--db", url, "--older-than", "1m"])

@@ -8,14 +8,14 @@ import time
 import pytest
 from sqlalchemy import text
 
-from collector.exporters import SqlExporter
-from collector.http_target import HttpTarget, parse_stats_header
-from collector.probe_round import run_round
-from collector.targets import InProcessTarget, ProbeCancelledError
-from probes import ProbeSet
-from records.store import connect, create_schema
-from server.app import create_app
-from server.settings import ServerSettings
+from prunewatch.collector.exporters import SqlExporter
+from prunewatch.collector.http_target import HttpTarget, parse_stats_header
+from prunewatch.collector.probe_round import run_round
+from prunewatch.collector.targets import InProcessTarget, ProbeCancelledError
+from prunewatch.probes import ProbeSet
+from prunewatch.records.store import connect, create_schema
+from prunewatch.server.app import create_app
+from prunewatch.server.settings import ServerSettings
 from tests.collector.prod_helpers import (
     PROBES,
     SMALL_PROBES,

@@ -10,9 +10,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from collector.http_target import HttpTarget
-from collector.targets import InProcessTarget
-from collector.tune import (
+from prunewatch.collector.http_target import HttpTarget
+from prunewatch.collector.targets import InProcessTarget
+from prunewatch.collector.tune import (
     TuneError,
     TuneSettings,
     kneedle,
@@ -20,9 +20,9 @@ from collector.tune import (
     word_agreement,
     write_report,
 )
-from engine.stats import GenerationResult, QualityReport, RequestStats
-from probes import ProbeSet
 from prunewatch.commands.collect import tune_command
+from prunewatch.engine.stats import GenerationResult, QualityReport, RequestStats
+from prunewatch.probes import ProbeSet
 from tests.collector.prod_helpers import PROBES, SMALL_PROBES
 
 GRID = tuple(round(i / 10, 1) for i in range(11))

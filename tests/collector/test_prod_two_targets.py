@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from collector.fleet import FleetSettings, run_collector
-from collector.http_target import HttpTarget
-from collector.scheduler import TargetJob
-from collector.targets import InProcessTarget
-from records.metrics import CollectorMetrics
-from records.store import ResultRepository, connect
-from server.app import create_app
-from server.settings import ServerSettings
+from prunewatch.collector.fleet import FleetSettings, run_collector
+from prunewatch.collector.http_target import HttpTarget
+from prunewatch.collector.scheduler import TargetJob
+from prunewatch.collector.targets import InProcessTarget
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.store import ResultRepository, connect
+from prunewatch.server.app import create_app
+from prunewatch.server.settings import ServerSettings
 from tests.collector.prod_helpers import SMALL_PROBES, fresh_database, serving
 
 pytestmark = pytest.mark.integration

@@ -7,11 +7,11 @@ import pytest
 import torch
 from sqlalchemy.orm import Session
 
-from collector.exporters import SqlExporter
-from collector.http_target import observation_from_response
-from collector.probe_round import run_round
-from engine.hardware import device_model_name, processor_name
-from records.store import ResultRepository, connect, create_schema
+from prunewatch.collector.exporters import SqlExporter
+from prunewatch.collector.http_target import observation_from_response
+from prunewatch.collector.probe_round import run_round
+from prunewatch.engine.hardware import device_model_name, processor_name
+from prunewatch.records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import PROBE
 from tests.collector.prod_helpers import PROBES, FakeTarget
 

@@ -5,13 +5,13 @@ from dataclasses import replace
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from collector.exporters import SqlExporter
-from collector.probe_round import run_round
-from engine.errors import InvalidRequestError
-from engine.stats import GenerationResult, RequestStats
-from probes import ProbeSet
-from records.metrics import CollectorMetrics
-from records.store import ResultRepository, connect, create_schema
+from prunewatch.collector.exporters import SqlExporter
+from prunewatch.collector.probe_round import run_round
+from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.stats import GenerationResult, RequestStats
+from prunewatch.probes import ProbeSet
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import PROBE
 
 SECOND = replace(PROBE, id="tech-second")
@@ -73,7 +73,7 @@ def test_failures_become_rows_and_counter_increments(tmp_path):
     assert get("prunewatch_probe_failures_total", {**labels, "reason": "invalid_request"}) == 1
     assert get("prunewatch_probe_results_total", {**labels, "status": "ok"}) == 1
     with Session(db) as session:
-        from records.store.models import RoundRow
+        from prunewatch.records.store.models import RoundRow
 
         round_row = session.get(RoundRow, summary.round_id)
         assert (round_row.probes_ok, round_row.probes_failed) == (1, 2)

@@ -7,20 +7,20 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy.orm import Session
 
-from collector.buffered import BufferedStore
-from collector.spool import DiskSpool
-from records.store import ResultRepository, connect, create_schema
+from prunewatch.collector.buffered import BufferedStore
+from prunewatch.collector.spool import DiskSpool
+from prunewatch.records.store import ResultRepository, connect, create_schema
 from tests.collector.factories import ok_result
 from tests.collector.prod_helpers import PROBES, count_rows, fresh_database, wait_until
 from tests.conftest import REPO_ROOT
 from tests.support.servers import free_port
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 A, B, C, D = ("a" * 32, "b" * 32, "c" * 32, "d" * 32)
 
 
@@ -34,7 +34,7 @@ def _utc(value) -> datetime | None:
     if isinstance(value, str):  # SQLite read through text(): no type, no zone
         value = datetime.fromisoformat(value)
     if value is not None and value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
+        value = value.replace(tzinfo=UTC)
     return value
 
 

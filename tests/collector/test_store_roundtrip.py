@@ -1,11 +1,11 @@
 """The store keeps every field of a result, on SQLite and on a real PostgreSQL."""
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy.orm import Session
 
-from records.store import (
+from prunewatch.records.store import (
     ResultRepository,
     StoreUnavailableError,
     connect,
@@ -62,7 +62,7 @@ def test_invalid_url_is_rejected():
 def test_created_at_comes_back_in_utc(tmp_path):
     engine = connect(f"sqlite:///{tmp_path / 'tz.db'}")
     create_schema(engine)
-    result = ok_result(created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+    result = ok_result(created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
     with Session(engine) as session, session.begin():
         ResultRepository(session).start_round(round_id=result.round_id, target="t", model="m",
                                               started_at=result.created_at, probe_set_digest="x")

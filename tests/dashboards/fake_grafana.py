@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 UID_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 DASHBOARD_KEYS = {"dashboard", "folderUid", "folderId", "overwrite", "message"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 _VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)$")
@@ -88,7 +88,7 @@ def _quote_sql(value: str) -> str:
 
 
 def _timestamp(value: datetime) -> str:
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _split_args(inner: str) -> list[str]:

@@ -10,21 +10,21 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from dashboards import (
+from prunewatch.commands.dashboards import export_command, push_command
+from prunewatch.dashboards import (
     build_dashboards,
     check_exported,
     export_dashboards,
     panel_queries,
     template_variables,
 )
-from dashboards.export import JSON_DIR, render
-from dashboards.panels import GRID_WIDTH, POSTGRES_TYPE, PROMETHEUS_TYPE
-from dashboards.promql import MODEL_DOMAIN, scoped
-from dashboards.rules import RuleFileError, load_rule_file, parse_bucket, recorded
-from dashboards.settings import DashboardSettings
-from prunewatch.commands.dashboards import export_command, push_command
+from prunewatch.dashboards.export import JSON_DIR, render
+from prunewatch.dashboards.panels import GRID_WIDTH, POSTGRES_TYPE, PROMETHEUS_TYPE
+from prunewatch.dashboards.promql import MODEL_DOMAIN, scoped
+from prunewatch.dashboards.rules import RuleFileError, load_rule_file, parse_bucket, recorded
+from prunewatch.dashboards.settings import DashboardSettings
 
-PROVISIONING = Path(__file__).resolve().parents[2] / "dashboards" / "provisioning"
+PROVISIONING = Path(__file__).resolve().parents[2] / "prunewatch" / "dashboards" / "provisioning"
 
 
 def test_committed_json_equals_the_generated_dashboards():
@@ -150,7 +150,7 @@ def test_scoped_adds_the_matchers_to_every_prunewatch_selector():
 
 
 def test_recorded_names_come_from_the_rule_file():
-    from records.promql import PROMQL_LATENCY_P99, PROMQL_RATIO_AVG_24H
+    from prunewatch.records.promql import PROMQL_LATENCY_P99, PROMQL_RATIO_AVG_24H
 
     assert recorded(PROMQL_RATIO_AVG_24H) == "prunewatch:pruning_ratio_avg:24h"
     assert recorded(PROMQL_LATENCY_P99) == "prunewatch:inference_latency_p99:5m"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -11,8 +11,8 @@ from tests.dashboards.grafana_expand import Selection, expand_promql, expand_sql
 SELECTION = Selection(
     values={"model": ["probe-llama"], "domain": ["legal", "tech"], "target": ["o'brien"]},
     constants={"gpu_usd_per_hour": "2.5"},
-    time_from=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
-    time_to=datetime(2026, 1, 2, 3, 9, 5, tzinfo=timezone.utc),
+    time_from=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+    time_to=datetime(2026, 1, 2, 3, 9, 5, tzinfo=UTC),
     interval="15s", rate_interval="1m")
 
 

@@ -10,15 +10,15 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from dashboards import build_dashboards
-from dashboards.push import (
+from prunewatch.commands.dashboards import export_command, push_command
+from prunewatch.dashboards import build_dashboards
+from prunewatch.dashboards.push import (
     PUSH_MESSAGE,
     GrafanaPushError,
     PushSettings,
     push_dashboards,
 )
-from dashboards.settings import DashboardSettings
-from prunewatch.commands.dashboards import export_command, push_command
+from prunewatch.dashboards.settings import DashboardSettings
 from tests.dashboards.fake_grafana import fake_grafana
 
 UIDS = ["prunewatch-overview", "prunewatch-engine", "prunewatch-history"]
@@ -87,9 +87,8 @@ def test_sub_path_deployment_uses_the_prefixed_api():
 
 
 def test_wrong_token_is_a_clear_401_error_and_writes_nothing():
-    with fake_grafana() as grafana:
-        with pytest.raises(GrafanaPushError) as error:
-            push_dashboards(_settings(grafana, token="wrong"))
+    with fake_grafana() as grafana, pytest.raises(GrafanaPushError) as error:
+        push_dashboards(_settings(grafana, token="wrong"))
     assert str(error.value) == (f"Grafana at {grafana.url} rejected the token (401) while trying to list folders: "
                                 "set GRAFANA_TOKEN to a valid service-account token")
     assert grafana.calls() == [("GET", "/api/health"), ("GET", "/api/folders")]
@@ -107,9 +106,8 @@ def test_wrong_url_is_a_clear_404_error():
 
 @pytest.mark.parametrize("version", ["9.5.2", "10.2.2", "13.0.0"])
 def test_unsupported_grafana_version_is_refused_before_any_write(version):
-    with fake_grafana(version=version) as grafana:
-        with pytest.raises(GrafanaPushError) as error:
-            push_dashboards(_settings(grafana))
+    with fake_grafana(version=version) as grafana, pytest.raises(GrafanaPushError) as error:
+        push_dashboards(_settings(grafana))
     assert str(error.value) == (f"Grafana {version} at {grafana.url} is not supported: these dashboards use the "
                                 "classic JSON model that Grafana 10.2.3 up to (not including) 13.0 import")
     assert grafana.calls() == [("GET", "/api/health")]
@@ -122,16 +120,15 @@ def test_supported_versions_are_accepted(version):
 
 
 def test_health_without_version_is_refused():
-    with fake_grafana(version=None) as grafana:
-        with pytest.raises(GrafanaPushError, match="without a version: either --url is not a Grafana"):
-            push_dashboards(_settings(grafana))
+    with fake_grafana(version=None) as grafana, pytest.raises(
+            GrafanaPushError, match="without a version: either --url is not a Grafana"):
+        push_dashboards(_settings(grafana))
     assert grafana.calls() == [("GET", "/api/health")]
 
 
 def test_precondition_failure_names_grafanas_reason():
-    with fake_grafana(plugin_owned={"prunewatch-engine"}) as grafana:
-        with pytest.raises(GrafanaPushError) as error:
-            push_dashboards(_settings(grafana))
+    with fake_grafana(plugin_owned={"prunewatch-engine"}) as grafana, pytest.raises(GrafanaPushError) as error:
+        push_dashboards(_settings(grafana))
     assert str(error.value) == ("Grafana refused to save dashboard prunewatch-engine (plugin-dashboard): "
                                 "The dashboard belongs to plugin Example")
 

@@ -18,9 +18,10 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,19 +30,19 @@ from prometheus_client import start_http_server
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from alerts.settings import RULES_PATH
-from collector.exporters import SqlExporter
-from collector.governor import Governor, GovernorSettings
-from collector.probe_round import run_round
-from collector.targets import InProcessTarget
-from dashboards import build_dashboards, panel_queries, template_variables
-from dashboards.rules import load_rule_file, parse_bucket
-from dashboards.settings import DashboardSettings
-from probes import Probe, ProbeSet, load_probes
-from records.governor_metrics import GovernorMetrics
-from records.metrics import CollectorMetrics
-from records.results import ProbeResult
-from records.store import connect, create_schema
+from prunewatch.alerts.settings import RULES_PATH
+from prunewatch.collector.exporters import SqlExporter
+from prunewatch.collector.governor import Governor, GovernorSettings
+from prunewatch.collector.probe_round import run_round
+from prunewatch.collector.targets import InProcessTarget
+from prunewatch.dashboards import build_dashboards, panel_queries, template_variables
+from prunewatch.dashboards.rules import load_rule_file, parse_bucket
+from prunewatch.dashboards.settings import DashboardSettings
+from prunewatch.probes import Probe, ProbeSet, load_probes
+from prunewatch.records.governor_metrics import GovernorMetrics
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.results import ProbeResult
+from prunewatch.records.store import connect, create_schema
 from tests.dashboards.grafana_expand import Selection, expand_promql, expand_sql
 from tests.support.servers import free_port, prometheus_server
 
@@ -68,7 +69,7 @@ class LiveStack:
         """The dashboard with its time range set to the run: queries are evaluated as instants at the
         end of the run, with $__rate_interval and $__range spanning the whole run (what the last point
         of a panel shows for that range), $__interval 1s (the scrape interval)."""
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         window = f"{math.ceil((now - self.started).total_seconds()) + 5}s"
         return Selection(values=values,
                          constants={"usd_per_million_tokens": f"{self.settings.usd_per_million_tokens:g}",
@@ -122,8 +123,8 @@ def _label_values_for(base: str, variable_query: str, values: dict[str, list[str
     """Run a `label_values(selector, label)` variable query the way Grafana does (series API)."""
     inner = variable_query.strip()[len("label_values("):-1]
     selector, label = inner.rsplit(",", 1)
-    selection = Selection(values=values, constants={}, time_from=datetime.now(timezone.utc),
-                          time_to=datetime.now(timezone.utc), interval="1s", rate_interval="1m")
+    selection = Selection(values=values, constants={}, time_from=datetime.now(UTC),
+                          time_to=datetime.now(UTC), interval="1s", rate_interval="1m")
     return prom_label_values(base, label.strip(), expand_promql(selector.strip(), selection))
 
 
@@ -186,7 +187,7 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
     # The healthy rounds also run the dense baselines (both, so the dense histograms increase too).
     schedule = [(healthy, with_anomaly), (misconfigured, plain), (healthy, plain), (misconfigured, plain),
                 (misconfigured, plain)]
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     try:
         with prometheus_server(config, {"rules.yml": _rule_file_with_firing_alert()}) as prom:
             results: list[ProbeResult] = []

@@ -20,12 +20,12 @@ def _section(title: str) -> str:
 
 
 def _settings_classes():
-    from alerts.settings import AlertingSettings, RuleSettings
-    from collector.fleet import FleetSettings
-    from engine.settings import EngineSettings
+    from prunewatch.alerts.settings import AlertingSettings, RuleSettings
+    from prunewatch.collector.fleet import FleetSettings
+    from prunewatch.engine.settings import EngineSettings
+    from prunewatch.roi.settings import RoiAppSettings
+    from prunewatch.server.settings import ServerSettings
     from prunewatch.stack.settings import StackSettings
-    from roi.settings import RoiAppSettings
-    from server.settings import ServerSettings
 
     return [EngineSettings, ServerSettings, FleetSettings, RuleSettings, AlertingSettings, RoiAppSettings,
             StackSettings]

@@ -26,9 +26,9 @@ import psutil
 import pytest
 import yaml
 
+from prunewatch.services import LocalPostgres
 from prunewatch.stack.configs import COLLECTOR_JOB, ENGINE_JOB
 from prunewatch.stack.slack_sink import read_messages
-from services import LocalPostgres
 
 pytestmark = pytest.mark.integration
 
@@ -141,7 +141,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
         store = LocalPostgres(state_dir / "postgres", ports["postgres"])
         from sqlalchemy import text
 
-        from records.store import connect
+        from prunewatch.records.store import connect
 
         engine = connect(store.url)
         probe_ids = [p["id"] for p in yaml.safe_load(PROBES.read_text())["probes"]]
@@ -195,7 +195,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
 
         # The dashboards' agreement panels read data: the recorded series the overview plots and the
         # worst-probe stat, expanded as Grafana would with every model and domain selected.
-        from dashboards import promql as dashboard_promql
+        from prunewatch.dashboards import promql as dashboard_promql
 
         def agreement_series() -> dict | None:
             found = {query: _promql(prometheus, query.replace("$model", ".*").replace("$domain", ".*"))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts.settings import ALERTMANAGER_PATH, RULES_PATH
-from engine.model_store import PROBE_MODEL_DIR
+from prunewatch.alerts.settings import ALERTMANAGER_PATH, RULES_PATH
+from prunewatch.engine.model_store import PROBE_MODEL_DIR
 from prunewatch.stack import configs
 from prunewatch.stack.settings import StackSettings
 
@@ -68,7 +68,7 @@ def test_alertmanager_config_keeps_the_routes_and_points_each_receiver_at_the_si
 
 
 def test_targets_file_loads_as_one_http_target_per_engine(tmp_path, monkeypatch):
-    from collector.target_config import load_targets
+    from prunewatch.collector.target_config import load_targets
 
     path = configs.write_yaml(tmp_path / "targets.yaml", configs.targets_config(
         ENGINES, model="probe-llama", probes_path=Path("/p.yaml"), buffer_path=tmp_path / "b.sqlite",
@@ -90,7 +90,7 @@ def test_engine_key_is_made_once_and_kept_private(tmp_path):
 
 
 def test_stack_defaults_match_the_collector_and_bad_input_is_one_line():
-    from collector.settings import CollectorSettings
+    from prunewatch.collector.settings import CollectorSettings
 
     assert StackSettings().model_dir == CollectorSettings().model_dir == PROBE_MODEL_DIR
     done = subprocess.run([sys.executable, "-m", "prunewatch.stack", "up", "--engines", "0"], check=False,

@@ -5,7 +5,7 @@ whole model's executed and dense work counted by a Python hook on every linear l
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -41,10 +41,10 @@ def hook_count(instrumented) -> Iterator[dict[str, int]]:
     Dense work: every linear inside each decoder block the plan entered, plus the head, from weight
     shapes. Nothing is read from the engine's ledger.
     """
-    from engine.execution import current_execution
-    from engine.heads import HeadGatedProjection
-    from engine.sparse import SparseLinear
-    from engine.sparse.output_head import ShortlistHead
+    from prunewatch.engine.execution import current_execution
+    from prunewatch.engine.heads import HeadGatedProjection
+    from prunewatch.engine.sparse import SparseLinear
+    from prunewatch.engine.sparse.output_head import ShortlistHead
 
     count = {"executed": 0, "dense": 0}
     handles = []

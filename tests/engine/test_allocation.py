@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from engine.errors import CalibrationMismatchError
-from engine.execution import instrument
-from engine.loading import weights_fingerprint
-from engine.sparse.calibration import (
+from prunewatch.engine.errors import CalibrationMismatchError
+from prunewatch.engine.execution import instrument
+from prunewatch.engine.loading import weights_fingerprint
+from prunewatch.engine.sparse.calibration import (
     LEVELS,
     SparsityCalibration,
     calibrate_sparsity_on_texts,
@@ -21,8 +21,8 @@ from engine.sparse.calibration import (
     sparsity_calibration_path,
     text_digest,
 )
-from engine.sparse.targets import find_sparse_targets, in_out
-from probes import load_probes
+from prunewatch.engine.sparse.targets import find_sparse_targets, in_out
+from prunewatch.probes import load_probes
 
 GRID = [i / 10 for i in range(10)]  # 0.0 .. 0.9
 
@@ -144,8 +144,8 @@ def test_uniform_calibration_has_no_plan_and_old_files_still_load(tmp_path, prob
 def test_engine_calibrates_the_plan_its_settings_select(tmp_path, probe_model_dir):
     """Engine defaults: the greedy plan, protecting blacklisted and transition blocks; a cached plan
     made for other protected blocks is recalibrated, not reused."""
-    from engine import EngineSettings, PruningEngine
-    from engine.sparse.calibration import (
+    from prunewatch.engine import EngineSettings, PruningEngine
+    from prunewatch.engine.sparse.calibration import (
         load_or_calibrate_sparsity,
         sparsity_protected_layers,
     )

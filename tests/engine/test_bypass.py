@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import CalibrationMismatchError, InvalidRequestError
-from probes import load_probes
+from prunewatch.engine import CalibrationMismatchError, InvalidRequestError
+from prunewatch.probes import load_probes
 
 PROBES = load_probes().probes
 

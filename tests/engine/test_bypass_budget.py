@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from engine import EngineSettings, PruningEngine
-from probes import load_probes
+from prunewatch.engine import EngineSettings, PruningEngine
+from prunewatch.probes import load_probes
 
 REPO = Path(__file__).resolve().parents[2]
-MODELS = {"probe-llama": REPO / "engine" / "models" / "probe-llama",
-          "probe-llama-b": REPO / "engine" / "models" / "probe-llama-b"}  # another seed, fewer steps
+MODELS = {"probe-llama": REPO / "prunewatch" / "engine" / "models" / "probe-llama",
+          "probe-llama-b": REPO / "prunewatch" / "engine" / "models" / "probe-llama-b"}  # another seed, fewer steps
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

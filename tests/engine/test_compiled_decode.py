@@ -1,4 +1,4 @@
-"""The compiled decode step (engine/compiled_decode.py): the same tokens and the same counted work as the
+"""The compiled decode step (prunewatch/engine/compiled_decode.py): the same tokens and the same counted work as the
 eager engine, new request targets without new graphs, eager decoding where a plan cannot compile, and a
 compiler failure that never fails a request."""
 
@@ -11,17 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.compiled_decode import NO_THRESHOLD
-from engine.execution import ExecutionPlan
-from engine.sparse.kernel import counted_op
+from prunewatch.engine.compiled_decode import NO_THRESHOLD
+from prunewatch.engine.execution import ExecutionPlan
+from prunewatch.engine.sparse.kernel import counted_op
 
 PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
 TOKENS = 8
 
 
 def _load(probe_model_dir, calibration_dir, **overrides):
-    from engine import EngineSettings, PruningEngine
-    from probes import load_probes
+    from prunewatch.engine import EngineSettings, PruningEngine
+    from prunewatch.probes import load_probes
 
     settings = {"log_level": "NONE", "compile_decode": True, **overrides}
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
@@ -227,7 +227,7 @@ def test_other_families_compile_to_the_same_tokens_and_counts(family, probe_mode
     here keeps the suite's compile time down."""
     from transformers import AutoModelForCausalLM
 
-    from engine import EngineSettings, PruningEngine
+    from prunewatch.engine import EngineSettings, PruningEngine
     from tests.engine.test_families import PROMPT as FAMILY_PROMPT
     from tests.engine.test_families import SYSTEM, TEXTS, _configs, _save
 

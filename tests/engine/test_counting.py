@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.execution import ExecutionLedger, ExecutionPlan, _linear_flops_per_row, executing, record_skipped_work
+from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.execution import (
+    ExecutionLedger,
+    ExecutionPlan,
+    _linear_flops_per_row,
+    executing,
+    record_skipped_work,
+)
 from tests.engine.sparse_oracle import hook_count, oracle_ratio
 
 

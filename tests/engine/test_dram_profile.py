@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine import CalibrationMismatchError, EngineSettings, PruningEngine
-from engine.dram_profile import DramLevel, DramProfile, profile_dram
-from engine.ncu import parse_csv
-from probes import load_probes
+from prunewatch.engine import CalibrationMismatchError, EngineSettings, PruningEngine
+from prunewatch.engine.dram_profile import DramLevel, DramProfile, profile_dram
+from prunewatch.engine.ncu import parse_csv
+from prunewatch.probes import load_probes
 from tests.conftest import PROBE_MECHANISMS
 from tests.engine.test_ncu_parse import SAMPLE, _fake_ncu
 
@@ -106,7 +106,7 @@ def test_a_sparse_request_is_matched_on_its_decode_steps_not_its_dense_prefill(t
 
 def engine_decode_sparsity(engine: PruningEngine) -> float:
     """The decode steps' activation sparsity of one request, read from its ledger."""
-    from engine.execution import ExecutionLedger
+    from prunewatch.engine.execution import ExecutionLedger
 
     ids = engine.render_prompt(PROBE.prompt, PROBE.system)
     plan = engine.execution_plan(ids, 1.0, [], prompt_text=PROBE.prompt)

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from engine import EngineSettings, PruningEngine
-from engine.execution import ExecutionLedger
-from engine.sparse import SparseLinear
+from prunewatch.engine import EngineSettings, PruningEngine
+from prunewatch.engine.execution import ExecutionLedger
+from prunewatch.engine.sparse import SparseLinear
+from prunewatch.engine.sparse.targets import projection_family
+from prunewatch.probes import load_probes
 from tests.engine.sparse_oracle import count_kernel_call
-from engine.sparse.targets import projection_family
-from probes import load_probes
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import EngineSettings, ModelLoadError, PruningEngine, UnsupportedArchitectureError
-from engine.execution import ExecutionLedger, ExecutionPlan, executing
-from engine.sparse import SparseLinear
+from prunewatch.engine import EngineSettings, ModelLoadError, PruningEngine, UnsupportedArchitectureError
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
+from prunewatch.engine.sparse import SparseLinear
+from prunewatch.engine.sparse.targets import is_conv1d, projection_family
 from tests.engine.sparse_oracle import count_kernel_call, hook_count, oracle_ratio
-from engine.sparse.targets import is_conv1d, projection_family
 
 GOLDEN = Path(__file__).parent / "golden" / "families.json"
 VOCAB = 4096  # the probe model's tokenizer is reused, so every family reads the same token ids
@@ -301,7 +301,7 @@ def test_family_combined_plan_decodes_the_same_with_and_without_cache(family, fa
 
 
 def test_over_counting_shows_as_a_negative_ratio_and_one_warning(caplog):
-    caplog.set_level(logging.WARNING, logger="engine.execution")
+    caplog.set_level(logging.WARNING, logger="prunewatch.engine.execution")
     ledger = ExecutionLedger(executed_flops=120, dense_flops=100, sparse_executed_flops=60, sparse_dense_flops=50)
     assert ledger.overcounted
     assert ledger.pruning_ratio == pytest.approx(-0.2)  # the true value, not clamped to 0

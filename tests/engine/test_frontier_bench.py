@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.frontier import (
+from prunewatch.bench.frontier import (
     DENSE_POINT,
     FrontierPoint,
     _sweep,

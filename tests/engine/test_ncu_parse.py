@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.ncu import (
+from prunewatch.engine.ncu import (
     DramMeasurement,
     NcuOutputError,
     NcuUnavailableError,
@@ -94,21 +94,21 @@ def test_output_without_a_complete_figure_is_a_typed_error(text, message):
 
 
 def test_command_profiles_only_the_marked_range_of_the_workload(tmp_path):
-    command = build_command("/opt/ncu", ["python", "-m", "engine.ncu", "decode-step"], tmp_path / "out.csv")
+    command = build_command("/opt/ncu", ["python", "-m", "prunewatch.engine.ncu", "decode-step"], tmp_path / "out.csv")
     assert command[0] == "/opt/ncu"
     assert command[command.index("--metrics") + 1] == "dram__bytes_read.sum,sm__inst_executed.sum"
     for flag, value in (("--clock-control", "none"), ("--target-processes", "all"), ("--print-units", "base"),
                         ("--profile-from-start", "off"), ("--log-file", str(tmp_path / "out.csv"))):
         assert command[command.index(flag) + 1] == value
     assert "--csv" in command
-    assert command[-4:] == ["python", "-m", "engine.ncu", "decode-step"]  # the workload comes last, unchanged
+    assert command[-4:] == ["python", "-m", "prunewatch.engine.ncu", "decode-step"]  # the workload comes last, unchanged
     with pytest.raises(ValueError):
         build_command("/opt/ncu", [], tmp_path / "out.csv")
 
 
 def test_decode_step_command_runs_this_module_with_the_same_interpreter():
     command = decode_step_command(sparsity=0.5, batch=4, policy="shared", model_dir=Path("/m"))
-    assert command[:4] == [sys.executable, "-m", "engine.ncu", "decode-step"]
+    assert command[:4] == [sys.executable, "-m", "prunewatch.engine.ncu", "decode-step"]
     assert command[command.index("--sparsity") + 1] == "0.5" and command[-2:] == ["--model-dir", "/m"]
 
 

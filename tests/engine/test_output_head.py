@@ -1,4 +1,4 @@
-"""The shortlist output head (engine/sparse/output_head.py): exact logits where it says so, the masked
+"""The shortlist output head (prunewatch/engine/sparse/output_head.py): exact logits where it says so, the masked
 approximation elsewhere, the dense argmax kept, and its work counted from what it read."""
 
 from __future__ import annotations
@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.execution import ExecutionLedger, ExecutionPlan, executing
-from engine.settings import OUTPUT_HEAD_FULL_AT, output_head_target
-from engine.sparse.output_head import ShortlistHead
+from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
+from prunewatch.engine.settings import OUTPUT_HEAD_FULL_AT, output_head_target
+from prunewatch.engine.sparse.output_head import ShortlistHead
 from tests.engine.sparse_oracle import hook_count, oracle_ratio
 
 
 @pytest.fixture(scope="module")
 def head_engine(probe_model_dir, calibration_dir):
     """The probe model with the engine's default output head (and no other mechanism)."""
-    from engine import EngineSettings, PruningEngine
-    from probes import load_probes
+    from prunewatch.engine import EngineSettings, PruningEngine
+    from prunewatch.probes import load_probes
 
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                activation_sparsity=0.0, log_level="NONE"))
@@ -115,7 +115,7 @@ def test_plans_refuse_an_output_head_target_out_of_range(fields, message):
 def test_instrumenting_again_counts_the_wrapped_head_once(head_engine):
     """instrument() is idempotent: with the shortlist head in place of the model's own, the dense work per
     token still includes the head (read through the wrapper), and nothing inside a block counts twice."""
-    from engine.execution import instrument
+    from prunewatch.engine.execution import instrument
 
     assert isinstance(head_engine.loaded.model.get_output_embeddings(), ShortlistHead)
     again = instrument(head_engine.loaded.model)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_store import DEFAULT_MODEL, pull
+from prunewatch.engine.model_store import DEFAULT_MODEL, pull
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,8 @@ def real_model_dir() -> Path:
 @pytest.fixture(scope="module")
 def real_engine(real_model_dir: Path, calibration_dir: Path):
     """The engine exactly as `prunewatch run` builds it: every setting at its default."""
-    from engine import EngineSettings, PruningEngine
-    from probes import load_probes
+    from prunewatch.engine import EngineSettings, PruningEngine
+    from prunewatch.probes import load_probes
 
     engine = PruningEngine.load(EngineSettings(model_dir=real_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                log_level="NONE"))
@@ -63,7 +63,7 @@ def test_dense_engine_output_equals_plain_transformers_greedy(real_engine, real_
 
 
 def test_defaults_keep_quality_on_two_probes(real_engine):
-    from probes import load_probes
+    from prunewatch.probes import load_probes
 
     probes = {p.id: p for p in load_probes().probes}
     results = [real_engine.generate(probes[i].prompt, system=probes[i].system, max_new_tokens=probes[i].max_tokens,
@@ -78,7 +78,7 @@ def test_defaults_keep_quality_on_two_probes(real_engine):
 
 
 def test_defaults_keep_heldout_perplexity(real_engine):
-    from engine.quality import heldout_perplexity_delta
-    from probes import heldout_texts
+    from prunewatch.engine.quality import heldout_perplexity_delta
+    from prunewatch.probes import heldout_texts
 
     assert heldout_perplexity_delta(real_engine, heldout_texts()) <= HELDOUT_PPL_CEILING_PCT

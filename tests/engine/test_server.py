@@ -21,12 +21,12 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.hardware import processor_name
-from engine.pruning_engine import PruningEngine
-from server import ServerSettings, build_engine, create_app, serve_in_background
-from server import pruning_headers as ph
+from prunewatch.engine.hardware import processor_name
+from prunewatch.engine.pruning_engine import PruningEngine
+from prunewatch.server import ServerSettings, build_engine, create_app, serve_in_background
+from prunewatch.server import pruning_headers as ph
 
-MODEL_DIR = Path(__file__).parents[2] / "engine" / "models" / "probe-llama"
+MODEL_DIR = Path(__file__).parents[2] / "prunewatch" / "engine" / "models" / "probe-llama"
 API_KEY = "sk-prunewatch-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS = 6

@@ -30,13 +30,13 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from engine.errors import InvalidRequestError
-from engine.planner import validate_request
-from engine.pruning_engine import TokenDelta
-from engine.settings import LogLevel
-from engine.stats import GenerationResult, QualityReport, RequestStats
-from server import ServerSettings, create_app
-from server import pruning_headers as ph
+from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.planner import validate_request
+from prunewatch.engine.pruning_engine import TokenDelta
+from prunewatch.engine.settings import LogLevel
+from prunewatch.engine.stats import GenerationResult, QualityReport, RequestStats
+from prunewatch.server import ServerSettings, create_app
+from prunewatch.server import pruning_headers as ph
 
 API_KEY = "sk-prunewatch-property-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

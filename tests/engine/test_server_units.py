@@ -16,14 +16,14 @@ import pytest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 
-from collector.http_target import parse_stats_header
-from engine.settings import LogLevel
-from engine.stats import QualityReport, RequestStats
-from server.admission import AdmissionQueue, QueueFullError
-from server.auth import ApiKeyAuth, bearer_token, read_keys_file
-from server.errors import APIError, _loc
-from server.middleware import BodyLimitMiddleware, endpoint_label
-from server.pruning_headers import (
+from prunewatch.collector.http_target import parse_stats_header
+from prunewatch.engine.settings import LogLevel
+from prunewatch.engine.stats import QualityReport, RequestStats
+from prunewatch.server.admission import AdmissionQueue, QueueFullError
+from prunewatch.server.auth import ApiKeyAuth, bearer_token, read_keys_file
+from prunewatch.server.errors import APIError, _loc
+from prunewatch.server.middleware import BodyLimitMiddleware, endpoint_label
+from prunewatch.server.pruning_headers import (
     PruningRequest,
     parse_blacklist,
     parse_log_level,
@@ -32,13 +32,13 @@ from server.pruning_headers import (
     parse_sensitivity,
     stats_header,
 )
-from server.redaction import (
+from prunewatch.server.redaction import (
     QuerySecretsFilter,
     has_secret_param,
     install_log_redaction,
     redact_query,
 )
-from server.settings import ServerSettings
+from prunewatch.server.settings import ServerSettings
 
 # -- settings -----------------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from engine.anomaly import AnomalyLimits, anomaly_reason
-from engine.signals import SignalWeights, combine, normalised_entropy, semantic_density, transition_layers
+from prunewatch.engine.anomaly import AnomalyLimits, anomaly_reason
+from prunewatch.engine.signals import SignalWeights, combine, normalised_entropy, semantic_density, transition_layers
 
 LIMITS = AnomalyLimits()
 
@@ -53,7 +53,7 @@ def test_engine_falls_back_to_dense_and_says_why(probe_engine):
 
 
 def test_canonical_probes_do_not_fall_back(probe_engine):
-    from probes import load_probes
+    from prunewatch.probes import load_probes
 
     for probe in load_probes().probes:
         stats = probe_engine.generate(probe.prompt, system=probe.system, max_new_tokens=2, sensitivity=0.5).stats

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.engine import QUICK, format_table, run
+from prunewatch.bench.engine import QUICK, format_table, run
 
 
 def test_quick_benchmark_writes_consistent_rows_and_a_plot(tmp_path, probe_model_dir):

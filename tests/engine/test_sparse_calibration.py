@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
-from engine.loading import weights_fingerprint
-from engine.sparse import calibrate_sparsity_on_texts, install_sparsity
-from probes import load_probes
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
+from prunewatch.engine.loading import weights_fingerprint
+from prunewatch.engine.sparse import calibrate_sparsity_on_texts, install_sparsity
+from prunewatch.probes import load_probes
 
 LICENSES = Path("/usr/share/common-licenses")  # Debian base-files: present on every Debian host
 

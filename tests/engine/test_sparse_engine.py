@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import CalibrationMismatchError, InvalidRequestError
-from engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
-from engine.sparse import (
+from prunewatch.engine import CalibrationMismatchError, InvalidRequestError
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
+from prunewatch.engine.sparse import (
     SparseLinear,
     SparsityCalibration,
     SparsityOptions,
@@ -258,7 +258,7 @@ def _family(name: str):
                "self_attn.q_proj", "self_attn.v_proj"]),  # q/k/v with bias
 ])
 def test_other_families_with_the_wina_score_equal_their_masked_dense_model(family, projections):
-    from engine.sparse.targets import score_scale
+    from prunewatch.engine.sparse.targets import score_scale
 
     instrumented = instrument(_family(family))
     ids = _ids(1, 10, seed=40)
@@ -282,7 +282,7 @@ def test_other_families_with_the_wina_score_equal_their_masked_dense_model(famil
 
 
 def test_a_model_on_a_device_without_a_kernel_is_refused_rather_than_run_dense():
-    from engine.sparse import SparseKernelUnavailableError
+    from prunewatch.engine.sparse import SparseKernelUnavailableError
 
     model = _tiny_llama()
     instrumented = instrument(model)

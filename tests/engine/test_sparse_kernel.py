@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.sparse import SparseKernelUnavailableError, sparse_linear
+from prunewatch.engine.sparse import SparseKernelUnavailableError, sparse_linear
 
 SHAPES = [(7, 5), (300, 200), (513, 130), (2048, 96), (64, 1030), (40, 1601)]  # (in, out): odd sizes hit group/tile tails
 
@@ -111,8 +111,8 @@ def test_bad_shapes_and_devices_raise_clear_errors():
 
 def test_build_without_a_compiler_fails_with_one_actionable_line(tmp_path):
     env = {**os.environ, "PRUNEWATCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}
-    done = subprocess.run([sys.executable, "-m", "engine.sparse.build"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "prunewatch.engine.sparse.build"], env=env, capture_output=True, text=True,
                           check=False, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 1
     assert done.stderr.startswith("error: cannot build the sparse kernel in ")
-    assert "python -m engine.sparse.build" in done.stderr and done.stderr.count("\n") == 1
+    assert "python -m prunewatch.engine.sparse.build" in done.stderr and done.stderr.count("\n") == 1

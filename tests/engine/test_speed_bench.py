@@ -1,4 +1,4 @@
-"""bench/speed.py end to end on the bundled probe model and a tiny random shape: structure and internal
+"""prunewatch/bench/speed.py end to end on the bundled probe model and a tiny random shape: structure and internal
 consistency of what it writes, never timings (the machine running the tests is shared and noisy)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench.engine import SpeedModelConfig
-from bench.speed import format_table, main, paired_ratio, run, write_plot
+from prunewatch.bench.engine import SpeedModelConfig
+from prunewatch.bench.speed import format_table, main, paired_ratio, run, write_plot
 
 TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096)
@@ -197,7 +197,7 @@ def test_a_run_that_fails_in_its_second_model_keeps_the_first(probe_model_dir, c
     def broken_shape(*args, **kwargs):
         raise RuntimeError("the shape could not be built")
 
-    monkeypatch.setattr("bench.speed._load_shape", broken_shape)
+    monkeypatch.setattr("prunewatch.bench.speed._load_shape", broken_shape)
     out = tmp_path / "speed.json"
     with pytest.raises(RuntimeError, match="could not be built"):
         run(probe_model_dir, TINY, new_tokens=4, rounds=1, bandwidth_mib=16, bandwidth_reps=2,
@@ -212,7 +212,7 @@ def test_a_run_that_fails_in_its_second_model_keeps_the_first(probe_model_dir, c
 
 
 def test_the_result_carries_its_goals_derived_from_its_rows(speed_result):
-    from bench.speed_goals import GOALS, goals_summary
+    from prunewatch.bench.speed_goals import GOALS, goals_summary
 
     data, _ = speed_result
     assert [entry["goal"] for entry in data["goals"]] == [goal.key for goal in GOALS]

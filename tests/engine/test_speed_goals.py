@@ -1,4 +1,4 @@
-"""bench/speed_goals.py: the decode-speed goals checked from a result's own figures, run by run and
+"""prunewatch/bench/speed_goals.py: the decode-speed goals checked from a result's own figures, run by run and
 estimator by estimator, on constructed results whose verdicts are known."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from bench.speed import main
-from bench.speed_goals import (
+from prunewatch.bench.speed import main
+from prunewatch.bench.speed_goals import (
     GOALS,
     REAL_WEIGHTS,
     bandwidth_goal,

@@ -1,4 +1,4 @@
-"""bench/step_products.py on the probe model: the replay is one real decode step's products, the same
+"""prunewatch/bench/step_products.py on the probe model: the replay is one real decode step's products, the same
 modules on the same inputs under the same plan, and it reproduces what the step computed."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import contextlib
 import pytest
 import torch
 
-from bench.speed import _load_real, plain_decode_rate
-from bench.step_products import capture_step, product_modules, replay, time_replay
-from engine.execution import ExecutionLedger, ExecutionPlan, executing
-from engine.sparse.module import SparseLinear
-from engine.sparse.output_head import ShortlistHead
+from prunewatch.bench.speed import _load_real, plain_decode_rate
+from prunewatch.bench.step_products import capture_step, product_modules, replay, time_replay
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
+from prunewatch.engine.sparse.module import SparseLinear
+from prunewatch.engine.sparse.output_head import ShortlistHead
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.pruning_engine import GenerationResult, TokenDelta
+from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.pruning_engine import GenerationResult, TokenDelta
 
 PROMPT = "Summarise the indemnification clause of a software licence in two sentences."
 TOKENS = 24

@@ -21,9 +21,9 @@ if DEVICE == "cpu":
 
 triton = pytest.importorskip("triton")
 
-from engine.sparse import kernel as kernels
-from engine.sparse import triton_kernel
-from engine.sparse.kernel import SparseKernelUnavailableError
+from prunewatch.engine.sparse import kernel as kernels  # noqa: E402  (TRITON_INTERPRET must be set first)
+from prunewatch.engine.sparse import triton_kernel  # noqa: E402
+from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # about 1 ulp of the output
 
@@ -168,7 +168,7 @@ def test_cuda_tensors_dispatch_to_triton_and_other_devices_are_refused():
 
 def test_cuda_without_triton_is_an_actionable_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    monkeypatch.delitem(sys.modules, "engine.sparse.triton_kernel")  # so the kernel module is imported afresh
+    monkeypatch.delitem(sys.modules, "prunewatch.engine.sparse.triton_kernel")  # so the kernel module is imported afresh
     with pytest.raises(SparseKernelUnavailableError, match=r"needs triton.*pip install 'triton>=3.2'"):
         kernels.device_kernel(torch.device("cuda"))
 
@@ -179,7 +179,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.sparse import triton_kernel as k
+from prunewatch.engine.sparse import triton_kernel as k
 
 found = {}
 for rows, weight_type in ((1, "bf16"), (8, "bf16"), (8, "fp32")):
@@ -222,9 +222,9 @@ def test_the_engine_on_the_triton_kernel_equals_the_masked_dense_model(policy, m
     interpreter on CPU tensors stands in): a batch of 3 rows per decode step, WINA scores."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
-    from engine.sparse import calibrate_sparsity, install, install_sparsity, module
-    from engine.sparse.targets import find_sparse_targets, score_scale
+    from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
+    from prunewatch.engine.sparse import calibrate_sparsity, install, install_sparsity, module
+    from prunewatch.engine.sparse.targets import find_sparse_targets, score_scale
 
     if DEVICE == "cpu":  # CPU tensors would go to the compiled kernel
         for owner in (module, install):

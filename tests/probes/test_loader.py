@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
 
 VALID = """
 probes:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
-from records.results import ProbeResult
-from roi.measured import Window
+from prunewatch.records.results import ProbeResult
+from prunewatch.roi.measured import Window
 
-T0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 WINDOW = Window(start=T0 - timedelta(days=1), end=T0 + timedelta(days=1))
 
 

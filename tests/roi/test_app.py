@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from records.store import connect, create_schema
-from roi import Assumptions, Basis, calculate
-from roi.app import current_window
-from roi.measured import PROBE_MODEL_CAVEAT
-from records.settings import STORE_URL_ENV as DB_URL_ENV
-from roi.settings import PASSWORD_ENV
-from roi.store import load_results
-from roi.tables import headlines
+from prunewatch.records.settings import STORE_URL_ENV as DB_URL_ENV
+from prunewatch.records.store import connect, create_schema
+from prunewatch.roi import Assumptions, Basis, calculate
+from prunewatch.roi.app import current_window
+from prunewatch.roi.measured import PROBE_MODEL_CAVEAT
+from prunewatch.roi.settings import PASSWORD_ENV
+from prunewatch.roi.store import load_results
+from prunewatch.roi.tables import headlines
 
-APP = Path(__file__).resolve().parents[2] / "roi" / "app.py"
+APP = Path(__file__).resolve().parents[2] / "prunewatch" / "roi" / "app.py"
 TIMEOUT_S = 90  # the first run imports pandas/altair and reads the store; CI machines are shared
 
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from roi import Assumptions, Basis, calculate
-from roi.app import current_window
-from roi.settings import PASSWORD_ENV
-from roi.store import load_results
-from roi.tables import headlines
+from prunewatch.roi import Assumptions, Basis, calculate
+from prunewatch.roi.app import current_window
+from prunewatch.roi.settings import PASSWORD_ENV
+from prunewatch.roi.store import load_results
+from prunewatch.roi.tables import headlines
 from tests.roi.webdriver import browser_available, headless_chromium
 from tests.support.servers import free_port, wait_for_http
 

@@ -9,12 +9,23 @@ import math
 
 import pytest
 
-from roi import (Assumptions, Basis, NoMeasurementsError, NoTrafficError, Provenance, TimeBasis, calculate,
-                 projection, sensitivity, summarize, waterfall)
-from roi.costs import DAYS_PER_MONTH, reserved_gpus
-from roi.errors import RoiError
-from roi.formatting import payback_text, usd
-from roi.tables import headlines, to_csv
+from prunewatch.roi import (
+    Assumptions,
+    Basis,
+    NoMeasurementsError,
+    NoTrafficError,
+    Provenance,
+    TimeBasis,
+    calculate,
+    projection,
+    sensitivity,
+    summarize,
+    waterfall,
+)
+from prunewatch.roi.costs import DAYS_PER_MONTH, reserved_gpus
+from prunewatch.roi.errors import RoiError
+from prunewatch.roi.formatting import payback_text, usd
+from prunewatch.roi.tables import headlines, to_csv
 from tests.roi.factories import WINDOW, failed, measured_basis_results, probe
 
 # Round assumptions for the hand-computed cases (all user-entered).

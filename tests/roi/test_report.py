@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -13,11 +13,11 @@ import typer
 from typer.testing import CliRunner
 
 from prunewatch.commands.roi import report_command, roi_command
-from roi import Assumptions, Basis, Window, calculate, sensitivity
-from roi.formatting import pct, usd
-from roi.measured import PROBE_MODEL_CAVEAT
-from roi.store import load_results
-from roi.tables import headlines
+from prunewatch.roi import Assumptions, Basis, Window, calculate, sensitivity
+from prunewatch.roi.formatting import pct, usd
+from prunewatch.roi.measured import PROBE_MODEL_CAVEAT
+from prunewatch.roi.store import load_results
+from prunewatch.roi.tables import headlines
 
 USER_ASSUMPTIONS = {"requests_per_day": 200_000, "gpu_hourly_usd": 2.5, "implementation_cost_usd": 5_000}
 
@@ -45,7 +45,7 @@ def test_report_command_writes_pdf_and_html_with_the_cores_numbers(collected_sql
     assumptions_file = tmp_path / "assumptions.json"
     assumptions_file.write_text(json.dumps(USER_ASSUMPTIONS))
     pdf, html = tmp_path / "out" / "report.pdf", tmp_path / "out" / "report.html"
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     outcome = CliRunner().invoke(_cli(), ["report", "--days", "60", "--db", collected_sqlite, "--out", str(pdf),
                                           "--assumptions", str(assumptions_file)])
     assert outcome.exit_code == 0, outcome.output
@@ -140,7 +140,7 @@ def test_roi_command_checks_the_store_before_starting(tmp_path: Path) -> None:
 
 def _words(data) -> str:
     """Every text of a report's blocks, one string (what the PDF and the HTML variant both print)."""
-    from roi import report as content
+    from prunewatch.roi import report as content
 
     parts = []
     for block in data.blocks:
@@ -162,7 +162,7 @@ def test_report_labels_time_by_the_device_it_was_measured_on(device, name, label
     """CPU time is never called GPU time: the savings paragraph, the method and the inputs table say where."""
     from dataclasses import replace
 
-    from roi.report import build_report
+    from prunewatch.roi.report import build_report
     from tests.roi.factories import T0, WINDOW, measured_basis_results
 
     results = [replace(r, device=device, device_name=name) for r in measured_basis_results()]
@@ -186,7 +186,7 @@ def test_report_labels_time_by_the_device_it_was_measured_on(device, name, label
 def test_mixed_devices_are_named_and_not_called_gpu_time() -> None:
     from dataclasses import replace
 
-    from roi.measured import summarize
+    from prunewatch.roi.measured import summarize
     from tests.roi.factories import WINDOW, measured_basis_results
 
     results = measured_basis_results()
@@ -203,7 +203,7 @@ def test_an_entered_time_per_request_is_not_called_the_stores_cpu_time() -> None
     the caveat that tells the reader to enter one."""
     from dataclasses import replace
 
-    from roi.report import build_report
+    from prunewatch.roi.report import build_report
     from tests.roi.factories import T0, WINDOW, measured_basis_results
 
     results = [replace(r, device="cpu", device_name="Test CPU 9000") for r in measured_basis_results()]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services import ServiceError, postgres_bin, postgres_bin_dirs, postgres_version
+from prunewatch.services import ServiceError, postgres_bin, postgres_bin_dirs, postgres_version
 
 
 def _install(root: Path, version: str, *programs: str) -> Path:

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from services import ServiceError, group_members, is_running, launch, stop, wait_until
+from prunewatch.services import ServiceError, group_members, is_running, launch, stop, wait_until
 
 
 def _python(code: str) -> list[str]:

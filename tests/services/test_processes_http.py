@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from services import ServiceError, free_port, wait_for_url
+from prunewatch.services import ServiceError, free_port, wait_for_url
 
 
 def test_waiting_on_a_url_nobody_answers_fails_at_the_deadline():

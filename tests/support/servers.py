@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from services import (
+from prunewatch.services import (
     ALERTMANAGER_BINARIES,
     PROMETHEUS_BINARIES,
     PostgresServer,
@@ -29,7 +29,7 @@ from services import (
     wait_for_url,
     which_binary,
 )
-from services import wait_for_http as wait_for_service
+from prunewatch.services import wait_for_http as wait_for_service
 
 __all__ = ["PostgresServer", "ProcessServer", "alertmanager_binary", "alertmanager_server", "free_port",
            "postgres_available", "postgres_server", "prometheus_server", "wait_for_http"]

@@ -1,0 +1,215 @@
+"""`prunewatch collect`: the production collector: several targets, PostgreSQL, nothing lost.
+
+One process, one APScheduler (3.x cannot share a job store between processes); each target is a
+job with its own interval, timeout and jitter. Results go to the disk buffer first and from there
+to the store (see buffered.py); Prometheus samples are taken in memory, so /metrics keeps
+answering while the database is down. The run starts even when the database is unreachable: it
+buffers until the database comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+
+from prunewatch.collector.buffered import Backoff, BufferedStore
+from prunewatch.collector.exporters import LogExporter
+from prunewatch.collector.exposition import start_metrics_server
+from prunewatch.collector.governor import GovernedTarget, Governor, governor_of, start_governing
+from prunewatch.collector.http_target import HttpTarget
+from prunewatch.collector.probe_round import RoundSummary
+from prunewatch.collector.pushgateway import Pushgateway
+from prunewatch.collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
+from prunewatch.collector.spool import DiskSpool
+from prunewatch.collector.target_config import CollectorConfig, ResolvedTarget, TargetConfigError
+from prunewatch.collector.targets import InProcessTarget, Target
+from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, ProbeSet
+from prunewatch.records.metrics import CollectorMetrics
+from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
+from prunewatch.records.store import StoreUnavailableError, connect
+from prunewatch.records.store.migrate import upgrade
+
+logger = logging.getLogger("prunewatch.collector")
+
+
+class FleetSettings(BaseSettings):
+    """How the production collector stores, buffers and exposes what it measures."""
+
+    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_COLLECTOR_", extra="ignore", populate_by_name=True)
+
+    db_url: str = Field(DEFAULT_STORE_URL, validation_alias=STORE_URL_ENV,
+                        description="SQLAlchemy URL; postgresql+psycopg://... in production (PRUNEWATCH_DB_URL).")
+    buffer_path: Path = Field(Path("prunewatch-buffer.sqlite"),
+                              description="On-disk buffer of records not yet in the store; survives restarts.")
+    buffer_max_results: int = Field(100_000, ge=1, le=100_000_000,
+                                    description="Results the buffer holds before dropping the oldest.")
+    batch_size: int = Field(500, ge=1, le=50_000, description="Records per store transaction.")
+    backoff_initial_s: float = Field(0.5, gt=0.0, le=60.0, description="First retry delay after a failed write.")
+    backoff_max_s: float = Field(30.0, gt=0.0, le=3600.0, description="Longest retry delay.")
+    drain_timeout_s: float = Field(10.0, ge=0.0, le=3600.0,
+                                   description="At exit, how long to keep writing the buffer before leaving it.")
+    rounds: int | None = Field(None, ge=1, description="Stop after N rounds per target; None runs until stopped.")
+    misfire_grace_s: float = Field(60.0, ge=1.0,
+                                   description="A round that starts this late still runs (then coalesced).")
+    metrics_host: str = Field("127.0.0.1", description="Address of /metrics.")
+    metrics_port: int = Field(9464, ge=0, le=65535, description="/metrics port; 0 disables it.")
+    pushgateway_url: str | None = Field(None, description="Push the registry here after each round and at exit.")
+    pushgateway_job: str = Field("prunewatch_collector", min_length=1, description="Pushgateway job label.")
+    probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Canonical probes YAML.")
+    calibration_dir: Path | None = Field(None, description="Calibration cache of in-process engines.")
+
+    @field_validator("db_url")
+    @classmethod
+    def _parseable(cls, value: str) -> str:
+        make_url(value)  # raises ArgumentError (a ValueError) on garbage
+        return value
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> FleetSettings:
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(f"backoff_initial_s ({self.backoff_initial_s}) exceeds backoff_max_s ({self.backoff_max_s})")
+        return self
+
+    def __repr_args__(self):  # printing the settings never shows the database password
+        for name, value in super().__repr_args__():
+            yield name, (self.store_fingerprint() if name == "db_url" else value)
+
+    def store_fingerprint(self) -> str:
+        return make_url(self.db_url).render_as_string(hide_password=True)
+
+    def with_file(self, config: CollectorConfig, **explicit) -> FleetSettings:
+        """These settings (from the environment) over the config file's `collector:` section, under the
+        flags the user passed explicitly: flag > environment > file > default."""
+        section = {k: v for k, v in config.collector.model_dump().items() if v is not None}
+        from_environment = {name: getattr(self, name) for name in self.model_fields_set}
+        flags = {k: v for k, v in explicit.items() if v is not None}
+        return FleetSettings(**{**section, **from_environment, **flags})
+
+
+@dataclass
+class FleetOutcome:
+    rounds: int
+    results: int
+    failures: int
+    written: int  # results inserted into the store by this run (replayed ones included)
+    buffered: int  # records still on disk at exit (written by the next start)
+
+
+def load_engine_cached(model_dir: Path, device: str, probe_set: ProbeSet, calibration_dir: Path | None,
+                       cache: dict) -> object:
+    """One engine per (model folder, device), calibrated on the probe set (cached on disk)."""
+    from prunewatch.engine import EngineSettings, PruningEngine
+    from prunewatch.engine.loading import check_model_dir
+
+    key = (str(Path(model_dir).resolve()), device)
+    if key not in cache:
+        check_model_dir(model_dir)
+        engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device=device, calibration_dir=calibration_dir))
+        engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+        cache[key] = engine
+    return cache[key]
+
+
+def build_target(spec: ResolvedTarget, probe_set: ProbeSet, *, calibration_dir: Path | None = None,
+                 engines: dict | None = None) -> Target:
+    """A live Target for one resolved config entry (loads the engine for in_process targets)."""
+    if spec.kind == "in_process":
+        engine = load_engine_cached(spec.model_dir, spec.device, probe_set, calibration_dir,
+                                    engines if engines is not None else {})
+        return InProcessTarget(engine, name=spec.name, sensitivity=spec.sensitivity)
+    return HttpTarget(name=spec.name, base_url=spec.base_url or "", model=spec.model or "", kind=spec.kind,
+                      api_key=spec.api_key(), timeout_s=spec.timeout_s, sensitivity=spec.sensitivity)
+
+
+def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir: Path | None = None,
+               only: Sequence[str] | None = None, interval_s: float | None = None) -> list[TargetJob]:
+    """Every configured target (or those named in `only`) with its schedule and probe subset.
+
+    `interval_s` (a flag or PRUNEWATCH_INTERVAL_S) replaces every target's interval from the file."""
+    engines: dict = {}
+    jobs = []
+    specs = [config.target(name) for name in only] if only else config.targets
+    governed_settings = {spec.name: spec.governor for spec in specs if getattr(spec, "governor", None) is not None}
+    governor = Governor(governed_settings) if governed_settings else None  # one for the process
+    for spec in specs:
+        try:
+            subset = probe_set.filter(spec.domains)
+        except ProbeFileError as exc:
+            raise TargetConfigError(f"{config.source}: target {spec.name}: domains: {exc}") from None
+        target = build_target(spec, probe_set, calibration_dir=calibration_dir, engines=engines)
+        if governor is not None and spec.name in governed_settings:
+            target = GovernedTarget(target, governor)  # probes run at the governed sensitivity of their domain
+        jobs.append(TargetJob(target,
+                              subset, interval_s=interval_s or spec.interval_s, timeout_s=spec.timeout_s,
+                              jitter_s=spec.jitter_s, baseline_every=spec.baseline_every,
+                              first_delay_s=random.uniform(0.0, spec.jitter_s)))  # spread first rounds too
+    return jobs
+
+
+def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
+                  on_round: Callable[[RoundSummary], None] | None = None,
+                  stop: threading.Event | None = None, metrics: CollectorMetrics | None = None) -> FleetOutcome:
+    """Probe every job's target on its schedule until the requested rounds are done or `stop` is set."""
+    db = connect(settings.db_url, check=False)  # a bad URL fails here, before any file is written
+    metrics = metrics or CollectorMetrics()
+    server = None
+    if settings.metrics_port:  # a taken port fails before the buffer, a migration or the store thread
+        server, _thread = start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)
+    spool = DiskSpool(settings.buffer_path, store_fingerprint=settings.store_fingerprint(),
+                      max_results=settings.buffer_max_results)
+    store = BufferedStore(db, spool, metrics=metrics, batch_size=settings.batch_size,
+                          backoff=Backoff(settings.backoff_initial_s, settings.backoff_max_s))
+    try:
+        before, after = upgrade(db)
+        if before != after:
+            logger.info("store schema migrated from %s to %s", before or "empty", after)
+    except StoreUnavailableError as exc:
+        logger.warning("%s; results are buffered in %s until it answers", exc, settings.buffer_path)
+    if spool.depth:
+        logger.warning("%d record(s) from an earlier run are waiting in %s; writing them first",
+                       spool.depth, settings.buffer_path)
+    store.start()
+    pusher = Pushgateway(settings.pushgateway_url, metrics.registry, job=settings.pushgateway_job) \
+        if settings.pushgateway_url else None
+    governor = governor_of(job.target for job in jobs)
+    if governor is not None:  # the exposition is cached by CollectorMetrics' state key: bump it on each decision
+        start_governing(governor, jobs, registry=metrics.registry, on_change=metrics.changed, store=db)
+    totals = RoundTotals()
+
+    def round_done(summary: RoundSummary) -> None:
+        totals.add(summary)
+        if governor is not None and governor.governs(summary.target):
+            governor.observe_round(summary)  # before the target's next round: it runs at the new setting
+        if pusher is not None:
+            pusher.push()
+        if on_round is not None:
+            on_round(summary)
+
+    scheduler = ProbeScheduler([], None, [store, metrics, LogExporter()], jobs=jobs, rounds=settings.rounds,
+                               misfire_grace_s=settings.misfire_grace_s, on_round=round_done)
+    try:
+        run_until_done(scheduler, stop)
+    finally:
+        store.close(settings.drain_timeout_s)
+        if pusher is not None:
+            pusher.push()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        for job in jobs:
+            close = getattr(job.target, "close", None)
+            if close is not None:
+                close()
+        buffered = spool.depth
+        spool.close()
+        db.dispose()
+    return FleetOutcome(rounds=totals.rounds, results=totals.results, failures=totals.failures,
+                        written=store.written, buffered=buffered)

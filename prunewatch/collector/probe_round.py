@@ -1,0 +1,146 @@
+"""One probe round: every probe against one target, each result handed to every exporter."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prunewatch.collector.deadline import DeadlineExceeded, call_with_deadline
+from prunewatch.collector.exporters import Exporter
+from prunewatch.collector.targets import Target, TargetError
+from prunewatch.engine import GenerationResult
+from prunewatch.engine.errors import EngineError, InvalidRequestError
+from prunewatch.probes import ProbeSet
+from prunewatch.records.engine_stats import probe_result_from_stats
+from prunewatch.records.results import ProbeResult, utcnow
+
+logger = logging.getLogger("prunewatch.collector")
+
+
+def classify_failure(exc: BaseException) -> str:
+    """A short, stable reason label for metrics and rows."""
+    if isinstance(exc, TargetError):
+        return exc.reason
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, InvalidRequestError):
+        return "invalid_request"
+    if isinstance(exc, EngineError):
+        return "engine_error"
+    if isinstance(exc, ConnectionError):
+        return "unreachable"
+    return "exception"
+
+
+@dataclass
+class RoundSummary:
+    round_id: str
+    target: str
+    results: list[ProbeResult] = field(default_factory=list)
+    export_errors: int = 0
+
+    @property
+    def ok(self) -> int:
+        return sum(r.ok for r in self.results)
+
+    @property
+    def failed(self) -> int:
+        return len(self.results) - self.ok
+
+
+def _export(exporters: Sequence[Exporter], result: ProbeResult) -> int:
+    errors = 0
+    for exporter in exporters:
+        try:
+            exporter.record(result)
+        except Exception:  # an exporter's failure is logged and counted, never fatal to the round
+            errors += 1
+            logger.exception("exporter %s failed for result %s", type(exporter).__name__, result.result_id)
+    return errors
+
+
+def _accepts_cancel(target: Target) -> bool:
+    try:
+        return "cancel" in inspect.signature(target.run_probe).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _probe_once(target: Target, probe, timeout_s: float | None):
+    """The target's answer to one probe; with a timeout, the probe runs under a deadline."""
+    if timeout_s is None:
+        return target.run_probe(probe)
+    cooperative = _accepts_cancel(target)
+
+    def call(cancel: threading.Event):
+        return target.run_probe(probe, cancel=cancel) if cooperative else target.run_probe(probe)
+
+    return call_with_deadline(call, timeout_s, label=f"probe {probe.id} on {target.name}")
+
+
+def _probe_result(target: Target, probe, round_id: str, timeout_s: float | None
+                  ) -> tuple[ProbeResult, threading.Thread | None]:
+    """One probe as a result (a failure is a result too), and the worker left running if it timed out."""
+    began = time.perf_counter()
+    try:
+        generated = _probe_once(target, probe, timeout_s)
+        duration_ms = round((time.perf_counter() - began) * 1000, 3)
+        if isinstance(generated, GenerationResult):
+            return probe_result_from_stats(target=target.name, probe=probe, round_id=round_id, stats=generated.stats,
+                                           text=generated.text, duration_ms=duration_ms,
+                                           device_name=getattr(target, "device_name", None)), None
+        return generated.to_result(target=target.name, probe=probe, round_id=round_id, duration_ms=duration_ms), None
+    except Exception as exc:  # a failed probe is data, not a crash
+        reason = classify_failure(exc)
+        logger.warning("probe %s on %s failed (%s): %s", probe.id, target.name, reason, exc)
+        result = ProbeResult.failure(target=target.name, model=target.model, probe=probe, round_id=round_id,
+                                     reason=reason, message=f"{type(exc).__name__}: {exc}",
+                                     duration_ms=round((time.perf_counter() - began) * 1000, 3))
+        return result, exc.worker if isinstance(exc, DeadlineExceeded) else None
+
+
+def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter],
+              stop: threading.Event | None = None, *, timeout_s: float | None = None,
+              cancel_grace_s: float = 5.0, baseline: bool = False) -> RoundSummary:
+    """Run every probe once. A failed probe becomes a failure result; `stop` ends between probes.
+
+    With `timeout_s`, a probe that overruns it is cancelled and recorded as a `timeout` failure;
+    an answer that arrives later is dropped, so each probe yields exactly one result. With
+    `baseline`, each probe then runs once more dense (sensitivity 0) on the same target, stored with
+    `baseline` set: the dense time of the same prompts on the same engine, measured in the same round.
+    """
+    summary = RoundSummary(round_id=uuid.uuid4().hex, target=target.name)
+    round_aware = [e for e in exporters if hasattr(e, "start_round")]
+    started = utcnow()
+    for exporter in round_aware:
+        try:
+            exporter.start_round(round_id=summary.round_id, target=target.name, model=target.model,
+                                 started_at=started, probe_set_digest=probe_set.digest)
+        except Exception:
+            summary.export_errors += 1
+            logger.exception("could not record the start of round %s", summary.round_id)
+    runs = [(target, probe, False) for probe in probe_set.probes]
+    if baseline:  # dense on the same engine, no quality check (it would compare dense with itself)
+        dense = target.with_overrides(sensitivity=0.0, quality=False)  # type: ignore[attr-defined]
+        runs += [(dense, probe, True) for probe in probe_set.probes]
+    for runner, probe, is_baseline in runs:
+        if stop is not None and stop.is_set():
+            break
+        result, abandoned = _probe_result(runner, probe, summary.round_id, timeout_s)
+        result.baseline = is_baseline
+        summary.results.append(result)
+        summary.export_errors += _export(exporters, result)
+        if abandoned is not None:  # let a cancelled probe wind down so the next one does not compete with it
+            abandoned.join(cancel_grace_s)
+    for exporter in round_aware:
+        try:
+            exporter.finish_round(summary.round_id, finished_at=utcnow(), ok=summary.ok, failed=summary.failed)
+        except Exception:
+            summary.export_errors += 1
+            logger.exception("could not record the end of round %s", summary.round_id)
+    return summary

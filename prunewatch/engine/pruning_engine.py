@@ -1,0 +1,605 @@
+"""The pruning engine: greedy generation with a KV cache under a per-request bypass plan.
+
+One request = preprocessing (render + tokenize the prompt, match it to a calibrated domain,
+choose the plan), inference (prefill + decode under the plan, counted by the execution ledger),
+postprocessing (detokenize, optional quality check against the dense model, stats). The engine
+returns plain `RequestStats`; it never writes to a database or a metrics registry itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from prunewatch.engine.anomaly import anomaly_reason
+from prunewatch.engine.calibration import CALIBRATION_FORMAT_VERSION, Calibration, calibrate, mean_token_direction
+from prunewatch.engine.dram_profile import DramProfile
+from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing, instrument
+from prunewatch.engine.hardware import PeakMemory, device_name, estimate_dram_bytes_per_instruction
+from prunewatch.engine.heads import HeadGating, install_head_gating
+from prunewatch.engine.loading import LoadedModel, load_model
+from prunewatch.engine.paths import calibration_cache
+from prunewatch.engine.planner import BypassPlan, plan_bypass, validate_request
+from prunewatch.engine.quality import score_against_dense
+from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
+from prunewatch.engine.signals import memory_pressure
+from prunewatch.engine.stats import GenerationResult, RequestStats
+
+logger = logging.getLogger("prunewatch.engine")
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """A piece of generated text, yielded while streaming."""
+
+    text: str
+    token_id: int
+
+
+@dataclass(frozen=True)
+class DecodeMeasurement:
+    """One fixed-length greedy decode (PruningEngine.measure_decode)."""
+
+    tokens: list[int]  # every generated token id, the first (from the prefill) included
+    decode_s: float  # wall clock from the first generated token to the last: len(tokens) - 1 decode steps
+    ledger: ExecutionLedger  # the work counted, prefill and decode apart
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
+MAX_STOP_CHARS = 256  # streaming holds back one character less than the longest stop sequence
+
+
+def stop_sequences(stop: Sequence[str] | str) -> tuple[str, ...]:
+    """The request's stop strings, checked (InvalidRequestError): at most MAX_STOP_SEQUENCES, none empty (it would
+    end every answer before its first character), none over MAX_STOP_CHARS. The server checks requests with it."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidRequestError("stop sequences must be non-empty strings")
+    if max((len(s) for s in stops), default=0) > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"a stop sequence is longer than {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int:
+    """Where the earliest stop sequence begins in `text`; -1 when none appears."""
+    found = [at for at in (text.find(s) for s in stops) if at >= 0]
+    return min(found) if found else -1
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+class PruningEngine:
+    """A causal LM that skips calibrated low-influence blocks per request and measures the skip."""
+
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings, calibration: Calibration | None = None) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        self.instrumented: InstrumentedModel = instrument(loaded.model)
+        validate_request(self.num_layers, settings.sensitivity, settings.layer_blacklist)
+        # None when head gating is off or the attention layout is unknown: requests then gate no head.
+        self.head_gating: HeadGating | None = install_head_gating(self.instrumented) if settings.head_gating else None
+        if settings.head_gating and self.head_gating is None:
+            logger.warning("head gating is unavailable for %s: its attention layout is not recognised",
+                           type(loaded.model).__name__)
+        self._calibration: Calibration | None = None
+        self._sparsity = None  # prunewatch.engine.sparse.SparsityInstallation once thresholds are calibrated
+        self._output_head = None  # prunewatch.engine.sparse.output_head.ShortlistHead once enabled
+        self._compiled = None  # prunewatch.engine.compiled_decode.CompiledDecode, built on first use when configured
+        if calibration is not None:
+            self.use_calibration(calibration)
+        self.dram_profile = self._load_dram_profile(settings.dram_profile)
+        config = loaded.model.config
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        hidden = getattr(config, "hidden_size", None) or config.n_embd
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        self._kv_bytes_per_token_per_layer = 2 * kv_heads * head_dim * torch.empty((), dtype=loaded.dtype).element_size()
+        eos = getattr(loaded.model.generation_config, "eos_token_id", None) or loaded.tokenizer.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    @classmethod
+    def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:
+        return cls(load_model(settings.model_dir, settings.device), settings, calibration)
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def num_layers(self) -> int:
+        return self.instrumented.num_layers
+
+    @property
+    def calibration(self) -> Calibration | None:
+        return self._calibration
+
+    # -- calibration -------------------------------------------------------------------------
+    def use_calibration(self, calibration: Calibration) -> None:
+        calibration.check_model(self.loaded.fingerprint, self.num_layers)
+        self._calibration = calibration
+
+    def calibrate(
+        self,
+        texts_by_domain: Mapping[str, Sequence[str]],
+        corpus_digest: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Calibration:
+        calibration = calibrate(
+            self.instrumented,
+            self.loaded.tokenizer,
+            texts_by_domain,
+            model_name=self.name,
+            model_fingerprint=self.loaded.fingerprint,
+            corpus_digest=corpus_digest,
+            progress=progress,
+            heads=self.head_gating,
+        )
+        self.use_calibration(calibration)
+        return calibration
+
+    def calibration_path(self, corpus_digest: str) -> Path:
+        root = self.settings.calibration_dir or calibration_cache()
+        heads = "-heads" if self.head_gating is not None else ""
+        return root / (f"{self.name}-{self.loaded.fingerprint[:16]}-{corpus_digest[:12]}"
+                       f"-v{CALIBRATION_FORMAT_VERSION}{heads}.json")
+
+    def load_or_calibrate(
+        self,
+        texts_by_domain: Mapping[str, Sequence[str]],
+        corpus_digest: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[Calibration, bool]:
+        """Use the cached calibration for this model and corpus if present (and, when activation sparsity
+        is configured, install the kernel with its thresholds); returns (it, was_cached)."""
+        path = self.calibration_path(corpus_digest)
+        cached = path.is_file()
+        if cached:
+            calibration = Calibration.load(path)
+            self.use_calibration(calibration)
+        else:
+            calibration = self.calibrate(texts_by_domain, corpus_digest, progress)
+            calibration.save(path)
+        if self.settings.activation_sparsity > 0.0:
+            self.enable_activation_sparsity(texts_by_domain, corpus_digest)
+        if self.settings.output_head_sparsity > 0.0:
+            self.enable_output_head()
+        return calibration, cached
+
+    def enable_output_head(self) -> None:
+        """Put the shortlist output head in place (prunewatch.engine.sparse.output_head): it runs dense until a
+        request's plan asks for output-head sparsity. Raises SparseKernelUnavailableError where the
+        device has no kernel, as activation sparsity does."""
+        from prunewatch.engine.sparse.output_head import install_shortlist_head
+
+        if self._output_head is None:
+            self._output_head = install_shortlist_head(self.loaded.model)
+
+    def enable_activation_sparsity(self, texts_by_domain: Mapping[str, Sequence[str]], corpus_digest: str) -> None:
+        """Calibrate per-layer input thresholds (cached beside the block calibration) and install the
+        sparse kernel on every block's linear layers. Raises SparseKernelUnavailableError where the
+        device has no kernel (no compiler on the CPU, no triton on CUDA, any other device): a sparse
+        request is never run dense while reported as sparse."""
+        from prunewatch.engine.sparse import install_sparsity
+        from prunewatch.engine.sparse.calibration import load_or_calibrate_sparsity
+
+        if self._sparsity is not None:
+            return
+        sparsity_calibration = load_or_calibrate_sparsity(self, texts_by_domain, corpus_digest)  # per settings
+        self._sparsity = install_sparsity(self.instrumented, sparsity_calibration,
+                                          model_fingerprint=self.loaded.fingerprint)
+
+    # -- requests ----------------------------------------------------------------------------
+    def render_prompt(self, prompt: str | None = None, system: str | None = None,
+                      messages: Sequence[Mapping[str, str]] | None = None) -> list[int]:
+        """Token ids of the prompt, through the model's chat template when it has one."""
+        tokenizer = self.loaded.tokenizer
+        if messages is None:
+            if prompt is None:
+                raise InvalidRequestError("a request needs a prompt or messages")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n\n".join(m["content"] for m in messages) + "\n"
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        return list(ids)
+
+    def render_raw(self, prompt: str) -> list[int]:
+        """Token ids of a plain-text completion prompt, without the chat template."""
+        try:
+            ids = self.loaded.tokenizer(prompt).input_ids
+        except (TypeError, ValueError, UnicodeError) as exc:
+            raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        return list(ids)
+
+    def plan(self, prompt_ids: list[int], sensitivity: float, blacklist: list[int],
+             prompt_text: str | None = None) -> tuple[BypassPlan | None, str | None]:
+        """The request's bypass plan, or (None, fallback reason) when it must run dense."""
+        validate_request(self.num_layers, sensitivity, blacklist)
+        if sensitivity == 0.0:
+            return None, None
+        if self._calibration is None:
+            return None, "uncalibrated"
+        embed = self.loaded.model.get_input_embeddings()
+        with torch.no_grad():
+            direction = mean_token_direction(embed(torch.tensor(prompt_ids, device=self.loaded.device)))
+        bypass_plan = plan_bypass(
+            self._calibration,
+            direction,
+            prompt_ids,
+            sensitivity=sensitivity,
+            influence_budget=self.settings.influence_budget,
+            blacklist=blacklist,
+            protect_edges=self.settings.protect_edge_layers,
+            signal_weights=self.settings.signal_weights,
+            memory_pressure=memory_pressure(self.loaded.device),
+            head_budget=self.settings.head_budget if self.head_gating is not None else 0.0,
+        )
+        if self.settings.fallback_on_anomaly and prompt_text is not None:
+            text_tokens = len(self.loaded.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+            reason = anomaly_reason(prompt_text, text_tokens, bypass_plan.nearest_domain_similarity,
+                                    self.settings.anomaly_limits)
+            if reason is not None:
+                return None, reason
+        return bypass_plan, None
+
+    def execution_plan(self, prompt_ids: list[int], sensitivity: float, blacklist: list[int],
+                       prompt_text: str | None = None) -> ExecutionPlan:
+        """Everything a request with this prompt would skip (bypass, gated heads, sparsity); dense on fallback."""
+        bypass_plan, _ = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=prompt_text)
+        return self._with_sparsity(bypass_plan, blacklist) if bypass_plan else ExecutionPlan()
+
+    @torch.no_grad()
+    def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
+                max_new_tokens: int, use_cache: bool, stop_at_eos: bool = True,
+                compiled: bool | None = None) -> Iterator[int]:
+        """Greedy decoding under `plan`; yields token ids as they are produced. `compiled`: run decode
+        steps as the compiled graph (prunewatch.engine.compiled_decode) where the plan allows; None: per settings."""
+        from transformers import DynamicCache
+
+        model = self.loaded.model
+        device = self.loaded.device
+        ids = torch.tensor([prompt_ids], device=device)  # (1, T)
+        cache = DynamicCache(config=model.config) if use_cache else None
+        executed_blocks = self._kv_layers_read(plan)
+        step = self.compiled_decode(compiled) if use_cache else None
+        if step is not None and not step.supports(plan):
+            step = None
+        with executing(plan, ledger):
+            position = 0
+            step_ids = ids
+            for _ in range(max_new_tokens):
+                if use_cache:
+                    positions = torch.arange(position, position + step_ids.shape[1], device=device)[None]
+                    out = None
+                    if step is not None and step_ids.shape[1] == 1:
+                        out = step.step(plan, ledger, input_ids=step_ids, cache=cache, use_cache=True,
+                                        position_ids=positions, logits_to_keep=1)
+                        step = step if out is not None else None  # it failed to compile: eager from now on
+                    if out is None:
+                        out = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
+                                    logits_to_keep=1)
+                    position += step_ids.shape[1]
+                    context = position
+                else:
+                    out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    context = ids.shape[1]
+                ledger.kv_bytes_read += int(executed_blocks * context * self._kv_bytes_per_token_per_layer)
+                if ledger.prefill_dense_flops is None:
+                    ledger.end_prefill()
+                token = int(out.logits[0, -1].argmax())
+                yield token
+                if stop_at_eos and token in self._eos_ids:
+                    return
+                step_ids = torch.tensor([[token]], device=device)
+                ids = torch.cat([ids, step_ids], dim=1)
+
+    @property
+    def context_window(self) -> int | None:
+        """Positions the model was built for (config.max_position_embeddings, or n_positions for GPT-2);
+        None when its config names none."""
+        config = self.loaded.model.config
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def compiled_decode(self, wanted: bool | None = None):
+        """The compiled decode step (prunewatch.engine.compiled_decode) when `wanted` (None: the `compile_decode`
+        setting) and the model is on the CPU, built for the wrappers installed now; None otherwise or once
+        its compilation failed."""
+        wanted = self.settings.compile_decode if wanted is None else wanted
+        if not wanted or self.loaded.device.type != "cpu":
+            return None
+        layers = list(self._sparsity.layers.values()) if self._sparsity is not None else []
+        compiled = self._compiled
+        if compiled is None or compiled.layers != layers or compiled.output_head is not self._output_head:
+            from prunewatch.engine.compiled_decode import CompiledDecode
+
+            compiled = self._compiled = CompiledDecode(self.instrumented, layers, self._output_head)
+        return compiled if compiled.enabled else None
+
+    @property
+    def compiled_decode_failure(self) -> str | None:
+        """Why compiled decoding was turned off for this engine (the compiler's error), None while it was not."""
+        return self._compiled.failure if self._compiled is not None else None
+
+    def warm_up_compiled(self, prompt: str = "Warm up the compiled decode step.") -> float | None:
+        """Compile the decode graphs requests use most (dense, and the default plan's for `prompt`) before
+        serving, so no request waits for a compiler; seconds taken, None when compiled decode is off,
+        including when compiling failed during the warm-up (the engine then decodes eagerly)."""
+        if self.compiled_decode() is None:
+            return None
+        started = time.perf_counter()
+        ids = self.render_prompt(prompt)
+        default = self.execution_plan(ids, self.settings.sensitivity, list(self.settings.layer_blacklist),
+                                      prompt_text=prompt)
+        for plan in (ExecutionPlan(), default):
+            self.measure_decode(ids, plan, 3)
+        return time.perf_counter() - started if self.compiled_decode() is not None else None
+
+    def measure_decode(self, prompt_ids: Sequence[int], plan: ExecutionPlan, new_tokens: int,
+                       compiled: bool | None = None) -> DecodeMeasurement:
+        """Greedy-decode exactly `new_tokens` tokens under `plan` (end of sequence does not stop it, as
+        vLLM's ignore_eos), for benchmarks: the decode loop of every request, without tokenizing,
+        streaming text or stats; timed from the first generated token to the last. `compiled`: decode
+        steps as the compiled graph, or eagerly (None: the `compile_decode` setting)."""
+        if new_tokens < 2:
+            raise InvalidRequestError(f"measuring decode needs at least 2 new tokens, got {new_tokens}")
+        ledger = ExecutionLedger()
+        tokens: list[int] = []
+        first_at = 0.0
+        for token in self._decode(list(prompt_ids), plan, ledger, new_tokens, use_cache=True, stop_at_eos=False,
+                                  compiled=compiled):
+            tokens.append(token)
+            if len(tokens) == 1:
+                first_at = time.perf_counter()
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        return DecodeMeasurement(tokens=tokens, decode_s=time.perf_counter() - first_at, ledger=ledger)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        system: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        max_new_tokens: int | None = None,
+        sensitivity: float | None = None,
+        layer_blacklist: Sequence[int] | None = None,
+        log_level: LogLevel | None = None,
+        quality: bool = False,
+        use_cache: bool = True,
+        request_id: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        stop: Sequence[str] = (),
+    ) -> Iterator[TokenDelta | GenerationResult]:
+        """Yield TokenDelta pieces as tokens are produced, then the GenerationResult.
+
+        `prompt_ids`, when given, are the already rendered prompt (a caller that tokenized it to
+        check limits, or a raw completion prompt from `render_raw`); `prompt`/`messages` then only
+        feed the anomaly checks. `stop`: strings that end the completion where one first appears in the
+        generated text, which is cut before it (finish_reason "stop"); while streaming, the last
+        len(longest stop) - 1 characters wait until they cannot begin one.
+        """
+        started = time.perf_counter()
+        sensitivity = self.settings.sensitivity if sensitivity is None else float(sensitivity)
+        blacklist = sorted(set(self.settings.layer_blacklist if layer_blacklist is None else layer_blacklist))
+        log_level = self.settings.log_level if log_level is None else LogLevel(log_level)
+        max_new_tokens = self.settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stops = stop_sequences(stop)
+        request_id = request_id or uuid.uuid4().hex
+        prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        window = self.context_window
+        if window is not None and len(prompt_ids) + max_new_tokens > window:  # past it a model decodes garbage
+            raise InvalidRequestError(f"this model's context is {window} tokens; the prompt's {len(prompt_ids)} "
+                                      f"plus {max_new_tokens} new tokens do not fit")
+        user_text = prompt if messages is None else "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
+        bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=user_text)
+        plan = self._with_sparsity(bypass_plan, blacklist) if bypass_plan else ExecutionPlan()
+        preprocessed = time.perf_counter()
+
+        ledger = ExecutionLedger()
+        tokens: list[int] = []
+        text_so_far = ""  # what was yielded
+        stopped_at = -1  # where a stop sequence begins in the text; -1 while none has appeared
+        hold = max((len(s) for s in stops), default=1) - 1  # trailing characters that may begin a stop sequence
+        first_token_at = None
+        tokenizer = self.loaded.tokenizer
+        with PeakMemory(self.loaded.device) as memory:
+            for token in self._decode(prompt_ids, plan, ledger, max_new_tokens, use_cache):
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                tokens.append(token)
+                if token in self._eos_ids:
+                    break
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                stopped_at = _first_stop(text, stops)
+                if stopped_at >= 0:
+                    break
+                ready = len(text) - hold
+                if ready > len(text_so_far) and not text.endswith("\ufffd"):
+                    yield TokenDelta(text[len(text_so_far):ready], token)
+                    text_so_far = text[:ready]
+            if self.loaded.device.type == "cuda":
+                torch.cuda.synchronize(self.loaded.device)
+            inferred = time.perf_counter()
+
+            ended_by_eos = bool(tokens) and tokens[-1] in self._eos_ids
+            finish_reason = "stop" if ended_by_eos or stopped_at >= 0 else "length"
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if stopped_at >= 0:
+                text = text[:stopped_at]
+            if len(text) > len(text_so_far):
+                yield TokenDelta(text[len(text_so_far):], tokens[-1])
+            report = None
+            quality_s = 0.0
+            if quality:  # its own figure: the dense re-run is not part of this request's postprocessing
+                quality_started = time.perf_counter()
+                if plan.skips_work:
+                    # A stop sequence ended the answer where its text did: the dense reference is scored over
+                    # as many tokens, not over the text the client never received.
+                    reference_tokens = len(tokens) if stopped_at >= 0 else max_new_tokens
+                    dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
+                else:
+                    dense = tokens
+                report = score_against_dense(self.instrumented, prompt_ids, dense, plan, self.loaded.device)
+                quality_s = time.perf_counter() - quality_started
+            peak = memory.peak_bytes()
+        completion = len(tokens)
+        inference_s = inferred - preprocessed
+        dram_value, dram_source = self._dram_figure(plan, ledger)
+        decode_s = inferred - first_token_at if first_token_at else 0.0
+        stats = RequestStats(
+            request_id=request_id,
+            model=self.name,
+            device=self.loaded.device.type,
+            dtype=str(self.loaded.dtype).replace("torch.", ""),
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=completion,
+            preprocessing_ms=_ms(preprocessed - started),
+            inference_ms=_ms(inference_s),
+            postprocessing_ms=0.0,
+            ttft_ms=_ms((first_token_at or inferred) - started),
+            decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
+            tokens_per_s=round(completion / inference_s, 3) if inference_s > 0 else 0.0,
+            sensitivity=sensitivity,
+            pruning_ratio=round(ledger.pruning_ratio, 6),
+            prefill_pruning_ratio=round(ledger.prefill_pruning_ratio, 6),
+            decode_pruning_ratio=round(ledger.decode_pruning_ratio, 6),
+            executed_flops=ledger.executed_flops,
+            dense_flops=ledger.dense_flops,
+            layers_bypassed=sorted(plan.bypass),
+            layers_total=self.num_layers,
+            heads_gated=plan.heads_gated,
+            activation_sparsity=round(ledger.activation_sparsity, 6),
+            domain=bypass_plan.domain if bypass_plan else None,
+            domain_confidence=round(bypass_plan.domain_confidence, 4) if bypass_plan else 0.0,
+            fallback_reason=fallback,
+            effective_sensitivity=round(bypass_plan.signals.effective_sensitivity, 4) if bypass_plan else 0.0,
+            signals=bypass_plan.signals.as_dict() if bypass_plan else None,
+            quality_flags=self._quality_flags(ledger.pruning_ratio, report),
+            quality=report,
+            peak_memory_bytes=peak,
+            peak_memory_source=memory.source,
+            dram_bytes_per_instruction=dram_value,
+            dram_source=dram_source,
+            finish_reason=finish_reason,
+        )
+        self._log(stats, bypass_plan, log_level)
+        stats.quality_ms = _ms(quality_s)
+        stats.postprocessing_ms = _ms(time.perf_counter() - inferred - quality_s)
+        yield GenerationResult(text=text, token_ids=tokens, stats=stats)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Run one request to completion; see `stream` for the parameters."""
+        result = None
+        for item in self.stream(prompt, **kwargs):
+            result = item
+        if not isinstance(result, GenerationResult):  # stream always ends with its result
+            raise RuntimeError("generation ended without a result")
+        return result
+
+    def _load_dram_profile(self, path: Path | None) -> DramProfile | None:
+        """The ncu profile for this model on this device; a profile of another GPU is not used."""
+        if path is None:
+            return None
+        profile = DramProfile.load(path)
+        profile.check(self.loaded.fingerprint)
+        here = device_name(self.loaded.device)
+        if not profile.matches_device(here):
+            logger.warning("DRAM profile %s was measured on %s, not on %s: requests report the estimate",
+                           path, profile.device_name, here)
+            return None
+        return profile
+
+    def _dram_figure(self, plan: ExecutionPlan, ledger: ExecutionLedger) -> tuple[float | None, str]:
+        """(DRAM bytes per instruction, source): ncu when the profile holds this request's decode-step shape
+        (matched on the decode steps' sparsity: the dense prefill would pull a sparse request towards the
+        dense profile); else the CPU model-level estimate on a CPU. On a GPU that estimate's instruction
+        count (FLOPs / AVX2 FMA width) does not hold, so without a matching profile there is no figure."""
+        if self.dram_profile is not None and not plan.bypass and plan.heads_gated == 0:
+            level = self.dram_profile.level_for(ledger.decode_activation_sparsity)
+            if level is not None:
+                return level.bytes_per_instruction, "ncu"
+        if self.loaded.device.type != "cpu":
+            return None, "unavailable"
+        return estimate_dram_bytes_per_instruction(
+            ledger.weight_bytes_read, ledger.kv_bytes_read, ledger.executed_flops), "estimate"
+
+    def _kv_layers_read(self, plan: ExecutionPlan) -> float:
+        """Blocks whose KV cache a decode step reads, in whole-layer units: a bypassed block reads none,
+        a block with gated key/value heads reads only its kept ones."""
+        if self.head_gating is None or not plan.gated_heads:
+            return float(self.num_layers - len(plan.bypass))
+        shape = self.head_gating.shape
+        return sum(len(shape.kept_kv_heads(plan.heads_gated_in(i))) / shape.kv_heads
+                   for i in range(self.num_layers) if i not in plan.bypass)
+
+    def _with_sparsity(self, bypass_plan: BypassPlan, blacklist: list[int]) -> ExecutionPlan:
+        """Add the request's activation-sparsity target (sensitivity-scaled; blacklisted and transition
+        layers keep dense inputs) and its output-head target (prunewatch.engine.settings.output_head_target) to its
+        bypass plan."""
+        effective = bypass_plan.signals.effective_sensitivity
+        plan = bypass_plan.plan
+        head_target = output_head_target(self.settings.output_head_sparsity, effective)
+        if self._output_head is not None and head_target > 0.0:
+            plan = replace(plan, output_head_sparsity=round(head_target, 4),
+                           output_head_candidates=self.settings.output_head_candidates)
+        target = self.settings.activation_sparsity * effective
+        if self._sparsity is None or target <= 0.0:
+            return plan
+        keep_dense = set(blacklist) | set(bypass_plan.signals.transition_layers)
+        per_layer = tuple(0.0 if i in keep_dense else round(target, 4) for i in range(self.num_layers))
+        return replace(plan, layer_sparsity=per_layer,
+                       family_scale=tuple(sorted(self.settings.sparsity_family_scale.items())))
+
+    def _quality_flags(self, ratio: float, report) -> list[str]:
+        flags = []
+        if ratio > self.settings.ratio_red_line:
+            flags.append("ratio_above_red_line")
+        if report is not None and report.token_agreement < self.settings.agreement_floor:
+            flags.append("agreement_below_floor")
+        return flags
+
+    def _log(self, stats: RequestStats, bypass_plan: BypassPlan | None, level: LogLevel) -> None:
+        if level == LogLevel.NONE:
+            return
+        logger.info(
+            "request %s model=%s domain=%s layers_bypassed=%s heads_gated=%d activation_sparsity=%.4f "
+            "ratio=%.4f tokens=%d fallback=%s",
+            stats.request_id, stats.model, stats.domain, stats.layers_bypassed, stats.heads_gated,
+            stats.activation_sparsity, stats.pruning_ratio, stats.completion_tokens, stats.fallback_reason,
+        )
+        if level == LogLevel.DETAILED and bypass_plan is not None:
+            logger.info("request %s signals %s", stats.request_id, bypass_plan.signals.as_dict())
+            for d in bypass_plan.decisions:
+                logger.info(
+                    "request %s layer=%d influence=%.5f threshold=%.5f decision=%s heads_gated=%s",
+                    stats.request_id, d.layer, d.influence, d.threshold, d.decision, list(d.heads_gated),
+                )

@@ -1,0 +1,184 @@
+"""Engine configuration: typed, ranged, read from arguments or PRUNEWATCH_ENGINE_* variables."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prunewatch.engine.anomaly import AnomalyLimits
+from prunewatch.engine.signals import SignalWeights
+
+DEFAULT_ACTIVATION_SPARSITY = 0.6
+"""At the default sensitivity 0.5 and typical prompt signals, a mean input sparsity of up to 0.3 spread by
+the greedy plan: on SmolLM2-135M-Instruct decode ratio 0.131 at token agreement 0.969, where TEAL's
+uniform thresholds at the same ratio measured 0.901 (bench/results/frontier-SmolLM2-135M-Instruct.json).
+With the output-head shortlist (DEFAULT_OUTPUT_HEAD_SPARSITY) the default's decode ratio is 0.251 there."""
+
+DEFAULT_OUTPUT_HEAD_SPARSITY = 0.6
+"""Output-head input sparsity (prunewatch/engine/sparse/output_head.py) with a 1024-logit exact shortlist: on
+SmolLM2-135M-Instruct it kept the dense argmax on every held-out token, perplexity +0.1% (the two held-out
+passages) to +0.5% (1500 tokens of them as one text); at 0.7 the same held-out passages measured +2.0%. It
+skips ~0.12 of the decode work there, where the head is a fifth of it."""
+OUTPUT_HEAD_FULL_AT = 0.25
+"""Effective sensitivity from which the output head runs at its target; below it the target scales down
+linearly to 0 at sensitivity 0. The exact shortlist keeps the argmax, so the head does not need the whole
+sensitivity range to grade it (a request at the default sensitivity 0.5 has an effective one of ~0.33 on the
+canonical probes), while lowering sensitivity (the governor's lever) still backs it off."""
+
+
+def output_head_target(setting: float, effective_sensitivity: float) -> float:
+    """The output head's input sparsity for a request: `setting` from OUTPUT_HEAD_FULL_AT up, linear below."""
+    return float(setting) * min(1.0, max(0.0, float(effective_sensitivity)) / OUTPUT_HEAD_FULL_AT)
+
+
+class LogLevel(str, Enum):
+    """How much the engine logs about each request's pruning decisions."""
+
+    NONE = "NONE"  # nothing per request
+    SUMMARY = "SUMMARY"  # one line: layers bypassed, heads gated, activation sparsity, ratio
+    DETAILED = "DETAILED"  # per layer: influence, threshold, KEEP / BYPASS, heads gated
+
+
+class EngineSettings(BaseSettings):
+    """How the engine loads its model and how hard it prunes by default."""
+
+    model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_ENGINE_", extra="forbid")
+
+    model_dir: Path = Field(description="Local Hugging Face model folder (config.json + weights).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto picks CUDA when present (bf16 there), else the CPU (fp32)."
+    )
+    sensitivity: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="How much of the calibrated skippable influence a request may drop; 0 is dense.",
+    )
+    layer_blacklist: list[int] = Field(default_factory=list, description="Layers never pruned.")
+    log_level: LogLevel = Field(LogLevel.SUMMARY, description="Per-request pruning log detail.")
+    influence_budget: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description=(
+            "Layer bypass: at sensitivity 1, the share of the calibrated influence of the blocks that "
+            "may be bypassed (protected, blacklisted and transition blocks excluded) that is bypassed; "
+            "sensitivity scales it linearly. 0 (the default) bypasses nothing: on SmolLM2-135M-Instruct "
+            "0.15 already drops token agreement with the dense model to 0.77 "
+            "(bench/results/mechanisms-smollm2-cpu.json)."
+        ),
+    )
+    protect_edge_layers: bool = Field(
+        True,
+        description=(
+            "Never bypass the first and last block: they are the model's transition layers (the "
+            "first also anchors the KV cache length that transformers reads from layer 0)."
+        ),
+    )
+    head_gating: bool = Field(
+        False,
+        description=(
+            "Gate attention heads of low calibrated influence (prunewatch/engine/heads.py). Off by default: on "
+            "SmolLM2-135M-Instruct a head budget of 0.05 costs ~14% token agreement."),
+    )
+    head_budget: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description=(
+            "At sensitivity 1, the share of the model's total calibrated head influence that may be "
+            "gated in the blocks that run; sensitivity scales it linearly."
+        ),
+    )
+    max_new_tokens: int = Field(64, ge=1, le=8192, description="Default completion length.")
+    activation_sparsity: float = Field(
+        DEFAULT_ACTIVATION_SPARSITY, ge=0.0, lt=1.0,
+        description=(
+            "Activation-sparsity target of the linear inputs at effective sensitivity 1 (scaled by it per "
+            "request); 0 leaves the sparse kernel out. Compiled kernel on the CPU, Triton on CUDA; "
+            "thresholds are calibrated with the blocks. The default, with the greedy allocation, keeps token "
+            "agreement >= 0.95 (0.969) and held-out perplexity within +2% (+0.02%) on SmolLM2-135M-Instruct at "
+            "decode ratio 0.131; with the default output-head shortlist the engine default measured decode ratio "
+            "0.251 at agreement 0.969 (bench/results/frontier-SmolLM2-135M-Instruct.json)."
+        ),
+    )
+    output_head_sparsity: float = Field(
+        DEFAULT_OUTPUT_HEAD_SPARSITY, ge=0.0, le=0.9,
+        description=(
+            "Input sparsity of the output head (LM head) from effective sensitivity 0.25 up (linear below): "
+            "approximate logits from the largest entries of its input, then exact logits for the "
+            "output_head_candidates highest. 0 runs the head dense. The default kept the dense argmax on every "
+            "held-out token of SmolLM2-135M-Instruct (perplexity +0.1% to +0.5%)."),
+    )
+    output_head_candidates: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="How many of the highest approximate logits the output head recomputes exactly per token.",
+    )
+    sparsity_family_scale: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Factor on the activation-sparsity target per projection family (attn_in, attn_out, mlp_in, "
+            "mlp_out); a family not named keeps factor 1."),
+    )
+    sparsity_allocation: Literal["uniform", "greedy"] = Field(
+        "greedy",
+        description=(
+            "How a request's activation-sparsity target is spread over layers and projections: 'uniform' "
+            "(TEAL's rule) gives each the target; 'greedy' follows the plan calibrated with the thresholds "
+            "(prunewatch/engine/sparse/calibration.py), which sparsifies first where the estimated output error grows "
+            "least per skipped FLOP, at the same total skipped work. Transition and blacklisted blocks stay dense. "
+            "Default 'greedy': at decode ratio 0.13 on SmolLM2-135M-Instruct, token agreement 0.969 against "
+            "uniform's 0.901 (bench/results/frontier-SmolLM2-135M-Instruct.json)."),
+    )
+    sparsity_score: Literal["magnitude", "wina"] = Field(
+        "magnitude",
+        description="Input score thresholded: |x_i| (TEAL) or |x_i| * ||W[:, i]|| (WINA).",
+    )
+    fallback_on_anomaly: bool = Field(
+        True, description="Run dense (and say why) on anomalous input or a prompt outside every domain."
+    )
+    anomaly_limits: AnomalyLimits = Field(default_factory=AnomalyLimits, description="Fallback thresholds.")
+    signal_weights: SignalWeights = Field(default_factory=SignalWeights, description="Adaptive-threshold weights.")
+    ratio_red_line: float = Field(
+        0.44, ge=0.0, le=1.0,
+        description=("Pruning ratio above which a request is flagged as a quality risk: a configured default, not "
+                     "a measurement; token agreement (quality=True) is the measured quality figure."),
+    )
+    agreement_floor: float = Field(
+        0.90, ge=0.0, le=1.0, description="Token agreement with the dense model below which a request is flagged."
+    )
+    compile_decode: bool = Field(
+        False,
+        description=(
+            "Run decode steps as one torch.compile graph on the CPU (prunewatch/engine/compiled_decode.py): no per-operator "
+            "Python overhead, the same tokens and the same counted work. Dense plans and plans with activation "
+            "sparsity and the output-head shortlist compile; bypass, head gating and the shared policy decode "
+            "eagerly. Each graph compiles on its first step (about a minute for SmolLM2-135M on two cores; "
+            "`prunewatch serve` warms them up before it listens). Needs a C++ compiler, as the sparse kernel does."),
+    )
+    dram_profile: Path | None = Field(
+        None,
+        description=(
+            "DRAM profile measured with Nsight Compute (`prunewatch profile-dram`); requests of the "
+            "profiled shape on the profiled GPU then report dram_source=ncu instead of the estimate."),
+    )
+    calibration_dir: Path | None = Field(
+        None, description="Where calibrations are cached; default ~/.cache/prunewatch/calibration."
+    )
+
+    @field_validator("sparsity_family_scale")
+    @classmethod
+    def _known_families(cls, value: dict[str, float]) -> dict[str, float]:
+        from prunewatch.engine.sparse.targets import PROJECTION_FAMILIES
+
+        unknown = sorted(set(value) - set(PROJECTION_FAMILIES))
+        if unknown:
+            raise ValueError(f"unknown projection families {unknown}; known: {list(PROJECTION_FAMILIES)}")
+        if any(not 0.0 <= f <= 4.0 for f in value.values()):
+            raise ValueError("family factors must be within [0, 4]")
+        return value
+
+    @field_validator("layer_blacklist")
+    @classmethod
+    def _no_negative_layers(cls, value: list[int]) -> list[int]:
+        if any(i < 0 for i in value):
+            raise ValueError("layer_blacklist holds layer indices, which are >= 0")
+        return sorted(set(value))

@@ -1,0 +1,189 @@
+"""SparseLinear: a linear layer that zeroes small inputs and skips the weights they would multiply.
+
+It wraps an existing nn.Linear (or GPT-2 Conv1D) without copying any model code. Under an
+execution plan that asks for activation sparsity, a call with few rows (decode steps) goes to the
+sparse kernel of its device (compiled C++ on the CPU, Triton on CUDA), which reads only the weight
+rows of active input channels and reports how many it read. Its decoder block counted the layer
+as dense work when it started; the call takes 2 x (in - active) x out x rows FLOPs (the weight rows
+it never read) back off the ledger. A call with many rows (a long prefill) is compute-bound, where
+skipping rows of a weight matrix saves no time: it applies the same mask and runs the dense layer,
+which stays counted as dense work. Without a plan, or with a target of 0, the dense layer runs
+untouched and is counted as dense.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from prunewatch.engine.execution import (
+    COMPILED_STEP,
+    ExecutionLedger,
+    ExecutionPlan,
+    current_execution,
+)
+from prunewatch.engine.sparse.calibration import LayerThresholds
+from prunewatch.engine.sparse.kernel import device_kernel
+from prunewatch.engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
+
+
+class SparsityOptions(BaseModel):
+    """How activation sparsity is installed on a model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    projections: tuple[str, ...] = Field(
+        DEFAULT_PROJECTIONS, min_length=1,
+        description="Names of the linear layers inside each decoder block that get sparse inputs.")
+    max_kernel_rows: int = Field(
+        16, ge=1, le=4096,
+        description=(
+            "Calls with more token rows run masked-then-dense and count as dense work: with many "
+            "rows the union of active channels is nearly all of them and a dense GEMM is faster."))
+    kernel_threads: int = Field(
+        0, ge=0, le=1024,
+        description=(
+            "Threads per kernel call; 0 uses torch's intra-op threads. 1 avoids a parallel region "
+            "per call, which pays off on a host whose cores are busy with other work."))
+    share_weight_storage: bool = Field(
+        True,
+        description=(
+            "Keep one copy of each weight: the dense layer reads the kernel's transposed copy "
+            "through a view. False keeps the original layout for the dense path too (2x memory)."))
+
+
+class SparseLinear(LinearWrapper):
+    """An nn.Linear (or Conv1D) whose inputs are thresholded per request and computed sparsely."""
+
+    def __init__(
+        self,
+        linear: nn.Module,
+        layer: int,
+        name: str,
+        thresholds: LayerThresholds,
+        scale: torch.Tensor,
+        options: SparsityOptions,
+    ) -> None:
+        super().__init__()
+        self.linear = linear
+        self.layer = layer  # decoder block index, for per-layer targets
+        self.name = name  # path inside the block, e.g. "mlp.down_proj"
+        self.family = projection_family(name)  # attn_in / attn_out / mlp_in / mlp_out: the plan scales by it
+        self.thresholds = thresholds
+        self.in_features, self.out_features = in_out(linear)
+        self.max_kernel_rows = options.max_kernel_rows
+        self.kernel_threads = options.kernel_threads
+        self._conv1d = is_conv1d(linear)
+        weight = linear.weight.detach()
+        if self._conv1d:
+            weight_t = weight.contiguous()  # Conv1D stores (in, out) already
+        else:
+            weight_t = weight.t().contiguous()  # (in, out): one contiguous row per input channel
+            if options.share_weight_storage:
+                linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
+        self.register_buffer("weight_t", weight_t, persistent=False)
+        self.register_buffer("scale", scale.to(weight.device, torch.float32).contiguous(), persistent=False)
+        self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
+        self._kernel_is_cuda = weight.device.type == "cuda"  # a model moved after installing resolves per call
+        self._bias = (linear.bias,)  # a tuple: read per call without nn.Module's attribute lookup
+        self._dense_flops_per_row = 2 * self.in_features * self.out_features
+        self._flops_per_active_row = 2 * self.out_features  # per active input channel and token row
+        self._bytes_per_active = self.out_features * weight_t.element_size()  # one weight row read
+        self._thresholds_by_target: dict[float, float] = {}
+        # (plan, target_under(plan)) of the last call: a request's ~7 calls per block per token share one
+        # plan, and hashing a frozen plan costs more than the comparison by identity.
+        self._last_target: tuple[ExecutionPlan | None, float] = (None, 0.0)
+        self.init_compiled_call()
+
+    def restore(self) -> nn.Module:
+        """The wrapped layer with a contiguous weight of its original layout, for uninstalling."""
+        if not self._conv1d and not self.linear.weight.is_contiguous():
+            self.linear.weight = nn.Parameter(self.linear.weight.detach().contiguous(),
+                                              requires_grad=self.linear.weight.requires_grad)
+        return self.linear
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, name={self.name}, in={self.in_features}, out={self.out_features}"
+
+    def target_under(self, plan: ExecutionPlan) -> float:
+        """This layer's activation-sparsity target under `plan` (its block's, times its family's factor)."""
+        return plan.sparsity_for(self.layer, self.family)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._compiled(x)
+        execution = current_execution()
+        if execution is None:
+            return self.linear(x)
+        plan, ledger = execution
+        last_plan, target = self._last_target  # one tuple read: threads may replace it concurrently
+        if last_plan is not plan:
+            target = self.target_under(plan)
+            self._last_target = (plan, target)  # holds the plan, so `is` can never match a reused id
+        if target <= 0.0:
+            return self._dense(x)
+        in_features = self.in_features
+        rows = x.numel() // in_features
+        dense_flops = self._dense_flops_per_row * rows
+        ledger.sparse_dense_flops += dense_flops
+        ledger.sparse_input_entries += rows * in_features
+        keep = -1 if plan.sparsity_policy != "shared" else self._shared_keep(plan, x, target)
+        threshold = self._thresholds_by_target.get(target)
+        if threshold is None:
+            threshold = self._thresholds_by_target.setdefault(target, self.thresholds.at(target))
+        if rows > self.max_kernel_rows:
+            return self._masked_dense(x, ledger, threshold, keep, dense_flops)
+        # The decode hot path (~7 calls per block per token): buffers read directly, the bias and
+        # per-channel costs precomputed, and the skipped work taken off the ledger in hand rather
+        # than through record_skipped_work, which would look the active execution up again.
+        buffers = self._buffers
+        kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
+        output, active, kept = kernel(x if x.dim() == 2 else x.reshape(rows, in_features), buffers["weight_t"],
+                                      self._bias[0], buffers["scale"], threshold, keep, self.kernel_threads)
+        executed = self._flops_per_active_row * active * rows
+        # The block counted this layer dense; the kernel's own count of active channels says what it skipped.
+        ledger.executed_flops -= dense_flops - executed
+        ledger.weight_bytes_read -= self._bytes_per_active * (in_features - active)
+        ledger.sparse_executed_flops += executed
+        ledger.sparse_kept_entries += kept
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer inside a compiled decode step: dense, or the counted kernel at the threshold in force."""
+        if not COMPILED_STEP.sparse or not self.counting:
+            return self._dense(x)
+        output = self.counted_call(x.reshape(-1, self.in_features), self.weight_t, self._bias[0], self.scale)
+        return output.reshape(*x.shape[:-1], self.out_features)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The wrapped layer's own product. nn.Linear is computed directly (one module call less on the
+        dense decode path, ~7 per block per token) unless something hooked it, which then still fires."""
+        linear = self.linear
+        if self._conv1d or linear._forward_hooks or linear._forward_pre_hooks:
+            return linear(x)
+        return F.linear(x, linear.weight, linear.bias)
+
+    def _shared_keep(self, plan: ExecutionPlan, x: torch.Tensor, target: float) -> int:
+        """Channels the rows share under the shared policy at a decode step; -1 for the row policy."""
+        decode_step = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
+        if plan.sparsity_policy != "shared" or not decode_step:
+            return -1
+        return max(1, round((1.0 - target) * self.in_features))
+
+    def _masked_dense(self, x: torch.Tensor, ledger: ExecutionLedger, threshold: float, keep: int,
+                      dense_flops: int) -> torch.Tensor:
+        """Same mask as the kernel, dense matmul: it stays counted as the dense work its block counted."""
+        scale = self.scale.to(x.device)
+        score = x.abs().float() * scale  # (..., in)
+        if keep < 0:
+            mask = score > threshold
+        else:
+            flat = score.reshape(-1, self.in_features).sum(dim=0)  # (in,)
+            mask = torch.zeros(self.in_features, dtype=torch.bool, device=x.device)
+            mask[torch.topk(flat, keep).indices] = True
+            mask = mask.expand_as(score)
+        ledger.sparse_executed_flops += dense_flops
+        ledger.sparse_kept_entries += int((mask & (x != 0)).sum()) if keep >= 0 else int(mask.sum())
+        return self.linear(x * mask)

@@ -1,0 +1,86 @@
+"""Plain per-request statistics. The engine fills them; exporters (SQL, Prometheus, logs) read them.
+
+Every figure carries how it was obtained: the pruning ratio is *measured* by counting the linear
+layers' work that really executed; DRAM bytes per instruction is either measured by Nsight
+Compute (`ncu`) or a model-level *estimate*; nothing here is configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RATIO_UNIT = "linear_flops"
+"""The pruning ratio's unit: FLOPs of the linear (matmul) layers, 2 x in x out per token row.
+
+Attention-score products (QK^T, AV) are excluded from numerator and denominator alike, so the
+ratio slightly understates what a bypassed layer saves. The output head (LM head) is counted on
+both sides: dense, or under an output-head target (prunewatch.engine.sparse.output_head) the weight rows of
+its kept inputs plus its exact shortlist. A ratio below 0 is reported as measured, never clamped:
+it would mean work was counted twice."""
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    """Pruned output scored against the dense model on the same prompt."""
+
+    token_agreement: float  # teacher-forced argmax match rate on the dense continuation, 0..1
+    dense_perplexity: float  # perplexity of the dense continuation under the dense model
+    pruned_perplexity: float  # ... and under the pruned model with the request's plan
+    perplexity_delta_pct: float  # (pruned - dense) / dense x 100
+    scored_tokens: int  # length of the dense continuation that was scored
+
+
+@dataclass
+class RequestStats:
+    """What one request cost and what pruning skipped, as measured while it ran."""
+
+    request_id: str
+    model: str
+    device: str
+    dtype: str
+    prompt_tokens: int
+    completion_tokens: int
+    preprocessing_ms: float  # tokenize, domain match, bypass plan
+    inference_ms: float  # prefill + decode
+    postprocessing_ms: float  # detokenize, stats (the quality check is quality_ms, apart)
+    ttft_ms: float  # request start -> first generated token
+    decode_tokens_per_s: float  # tokens after the first / decode time
+    tokens_per_s: float  # completion tokens / inference time
+    sensitivity: float
+    pruning_ratio: float  # 1 - executed / dense work, in RATIO_UNIT, over prefill + decode
+    executed_flops: int
+    dense_flops: int
+    prefill_pruning_ratio: float = 0.0  # the same over the prompt's forward pass alone
+    decode_pruning_ratio: float = 0.0  # ... over the decode steps alone (where skipping saves time)
+    quality_ms: float = 0.0  # dense re-run + teacher-forced scoring, only when quality was asked for
+    ratio_unit: str = RATIO_UNIT
+    ratio_source: str = "measured"  # counted from the linear layers that ran
+    layers_bypassed: list[int] = field(default_factory=list)
+    layers_total: int = 0
+    heads_gated: int = 0
+    activation_sparsity: float = 0.0
+    domain: str | None = None  # calibrated domain the prompt matched best
+    domain_confidence: float = 0.0  # softmax weight of that domain, 0..1
+    fallback_reason: str | None = None  # why the request ran dense although sensitivity > 0
+    effective_sensitivity: float = 0.0  # sensitivity after the adaptive-threshold signals
+    signals: dict[str, Any] | None = None  # each signal's value and factor (see prunewatch/engine/signals.py)
+    quality_flags: list[str] = field(default_factory=list)  # ratio_above_red_line, agreement_below_floor
+    quality: QualityReport | None = None
+    peak_memory_bytes: int = 0
+    peak_memory_source: str = "rss_delta"  # or "cuda_max_allocated"
+    dram_bytes_per_instruction: float | None = None
+    dram_source: str = "estimate"  # "ncu" when measured with Nsight Compute; "unavailable" on a GPU without a profile
+    finish_reason: str = "length"  # "stop" when the model emitted end of sequence
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Generated text plus the request's statistics."""
+
+    text: str
+    token_ids: list[int]
+    stats: RequestStats

@@ -1,0 +1,1 @@
+"""Alembic migrations of the result store; run with `prunewatch db upgrade` or `prunewatch.records.store.upgrade`."""

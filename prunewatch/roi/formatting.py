@@ -1,0 +1,44 @@
+"""Number formatting shared by the app, the CSV and the report, so every surface prints the same text."""
+
+from __future__ import annotations
+
+from prunewatch.roi.costs import Payback
+
+
+def usd(value: float) -> str:
+    """Dollars: cents below $100, whole dollars above; ASCII minus so text extraction finds it."""
+    sign = "-" if value < 0 else ""
+    magnitude = abs(value)
+    if magnitude < 100:
+        return f"{sign}${magnitude:,.2f}"
+    return f"{sign}${magnitude:,.0f}"
+
+
+def pct(fraction: float, digits: int = 1) -> str:
+    return f"{fraction * 100:.{digits}f}%"
+
+
+def number(value: float, unit: str) -> str:
+    """An input's value in its unit's natural precision."""
+    if unit.startswith("$"):
+        return usd(value) if unit != "$/1M tokens" else f"${value:,.2f}"
+    if unit == "fraction":
+        return pct(value)
+    if unit in ("requests/day",):
+        return f"{value:,.0f}"
+    if unit in ("tokens",):
+        return f"{value:,.1f}"
+    if unit in ("s/request",):
+        return f"{value:.3f} s"
+    return f"{value:.3f}"
+
+
+def payback_text(payback: Payback) -> str:
+    if payback.days is None:
+        return "no payback"
+    if payback.days == 0:
+        return "immediate"
+    months = payback.months or 0.0
+    if months < 1:
+        return f"{payback.days:.0f} days"
+    return f"{months:.1f} months"

@@ -1,0 +1,90 @@
+"""Live-traffic metrics of the HTTP API.
+
+The per-request families are the collector's own (`prunewatch.records.metrics.CollectorMetrics`): same
+names, help, labels and buckets, so a dashboard or alert rule written for probe results reads live
+traffic too; live requests carry `probe="live"` where the collector's families have a probe label.
+This module adds what only a server has: request counters by endpoint and status, the admission
+queue, token and FLOP counters.
+
+The engine fills `RequestStats`; `record_generation` is the exporter that turns one into samples.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from prunewatch.engine.stats import RequestStats
+from prunewatch.probes import Probe
+from prunewatch.records.engine_stats import probe_result_from_stats
+from prunewatch.records.metrics import LATENCY_BUCKETS, CollectorMetrics, check_metric_name
+
+LIVE_PROBE = "live"
+SELF_TARGET = ""  # the collector's `target` label names a probed engine; an engine's own traffic has none
+NO_DOMAIN = "none"  # requests that ran dense (sensitivity 0, or no calibration): no domain matched
+
+class ServerMetrics:
+    """Metric families of one server, registered in the given registry (a fresh one per test)."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model = model
+        r = self.registry
+        self.shared = CollectorMetrics(registry=r)
+        self.requests = Counter(
+            check_metric_name("prunewatch_requests"),
+            "HTTP requests answered, by endpoint and status code.", ["model", "endpoint", "status"], registry=r)
+        self.request_duration = Histogram(
+            check_metric_name("prunewatch_request_duration_seconds"),
+            "Wall time of an HTTP request, queueing included, until its last byte.", ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.in_queue = Gauge(
+            check_metric_name("prunewatch_requests_in_queue"),
+            "Requests admitted and not finished (waiting plus running).", ["model"], registry=r)
+        self.queue_depth = Gauge(
+            check_metric_name("prunewatch_queue_depth_limit"),
+            "Configured admission limit; requests beyond it get 429.", ["model"], registry=r)
+        self.prompt_tokens = Counter(
+            check_metric_name("prunewatch_prompt_tokens"), "Prompt tokens of served requests.", ["model"], registry=r)
+        self.completion_tokens = Counter(
+            check_metric_name("prunewatch_completion_tokens"), "Completion tokens generated.", ["model"], registry=r)
+        self.executed_flops = Counter(
+            check_metric_name("prunewatch_executed_flops"),
+            "Linear-layer FLOPs that really executed (the pruning ratio's numerator side).",
+            ["model", "domain"], registry=r)
+        self.dense_flops = Counter(
+            check_metric_name("prunewatch_dense_flops"),
+            "Linear-layer FLOPs the dense model would have executed for the same tokens.",
+            ["model", "domain"], registry=r)
+        self._in_queue = self.in_queue.labels(model)
+
+    def set_queue_limit(self, depth: int) -> None:
+        self.queue_depth.labels(self.model).set(depth)
+
+    def set_in_queue(self, count: int) -> None:
+        self._in_queue.set(count)
+
+    def record_request(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(self.model, endpoint, str(status)).inc()
+        self.request_duration.labels(self.model, endpoint).observe(seconds)
+
+    def record_generation(self, stats: RequestStats) -> None:
+        """One finished generation as samples of the shared families. Dense requests do not move the ratio gauges.
+
+        The request becomes a result of the pseudo-probe "live" (prunewatch.records.engine_stats maps the stats by
+        name, as for a probe) and goes through the same table as every probe result. A request with no
+        matched domain (sensitivity 0, or no calibration) would set a 0 ratio under domain="none" and trip
+        the collector's ratio-low alert on a series no one prunes; it still counts in the FLOP counters,
+        so the traffic-weighted ratio includes it.
+        """
+        model, domain = self.model, stats.domain or NO_DOMAIN
+        self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
+        self.completion_tokens.labels(model).inc(stats.completion_tokens)
+        self.executed_flops.labels(model, domain).inc(stats.executed_flops)
+        self.dense_flops.labels(model, domain).inc(stats.dense_flops)
+        live = Probe(id=LIVE_PROBE, domain=domain, version=0, max_tokens=stats.completion_tokens, system="", prompt="")
+        result = probe_result_from_stats(target=SELF_TARGET, probe=live, round_id=LIVE_PROBE, stats=stats, text="",
+                                         duration_ms=stats.inference_ms)
+        if stats.domain is None:
+            result.pruning_ratio = result.prefill_pruning_ratio = result.decode_pruning_ratio = None
+        result.model = model
+        self.shared.record(result, live=True)

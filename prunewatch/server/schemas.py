@@ -1,0 +1,294 @@
+"""Request and response bodies, mirroring OpenAI's chat and legacy completions APIs.
+
+Unknown request fields are ignored, as OpenAI-compatible servers commonly do, so clients that send
+newer OpenAI options still work; options this engine cannot honour (several choices) are rejected
+explicitly rather than silently ignored. Decoding is greedy: `temperature`,
+`top_p` and `seed` are accepted for compatibility and have no effect (reported as
+`prunewatch.decoding = "greedy"`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from prunewatch.engine.stats import RATIO_UNIT
+
+
+def _encodable(value: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud903") that no tokenizer can encode: refuse them here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (it holds a lone surrogate code point)") from None
+    return value
+
+
+# Every free-text request field is Text, not str: the model name and custom_id are echoed back,
+# and a lone surrogate in a JSON answer cannot be encoded (a 500 instead of this 422).
+Text = Annotated[str, AfterValidator(_encodable)]
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(BaseModel):
+    """One text part of a message's content list (OpenAI's multi-part content)."""
+
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    """A chat turn. `developer` is OpenAI's newer name for `system` and is rendered as one."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: Text | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    """Accepted for compatibility: the final chunk always carries `usage`."""
+
+    include_usage: bool | None = None
+
+
+class _GenerationParams(_Request):
+    model: Text = Field(description="The served model's id, as GET /v1/models lists it.")
+    max_tokens: Annotated[int | None, Field(ge=1)] = Field(None, description="Completion length limit.")
+    temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = Field(
+        None, description="Accepted; decoding is greedy, so it has no effect.")
+    top_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = Field(
+        None, description="Accepted; decoding is greedy, so it has no effect.")
+    n: Annotated[int | None, Field(ge=1, le=1)] = Field(None, description="Only one choice is generated.")
+    stream: bool | None = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
+    stream_options: StreamOptions | None = None
+    stop: Text | list[Text] | None = Field(
+        None, description="Up to 4 non-empty strings (256 characters at most each): the completion ends where one "
+                          "first appears, and its text is cut before it (finish_reason \"stop\").")
+    seed: int | None = Field(None, description="Accepted; greedy decoding is deterministic anyway.")
+    user: Text | None = None
+
+
+def _one_prompt(value: Any) -> Any:
+    """OpenAI's `prompt` may be a list; this server answers one prompt per request (then checked as Text)."""
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1:
+        raise ValueError(f"one prompt per request, got a list of {len(value)}; send several as /v1/batch items")
+    return value[0]
+
+
+class ChatCompletionRequest(_GenerationParams):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = Field(
+        None, description="OpenAI's newer name for max_tokens; wins when both are given.")
+    logprobs: Literal[False] | None = Field(None, description="Not supported: true is refused.")
+    top_logprobs: Annotated[int | None, Field(ge=0, le=0)] = Field(None, description="Not supported: only 0.")
+
+
+class CompletionRequest(_GenerationParams):
+    """POST /v1/completions. The prompt is continued as given (no chat template)."""
+
+    prompt: Annotated[Text, BeforeValidator(_one_prompt)] = Field(
+        description="The text to continue: a string, or a list holding one.")
+    logprobs: None = Field(None, description="Not supported: only null.")
+    echo: Literal[False] | None = Field(None, description="Not supported: true is refused.")
+    best_of: Annotated[int | None, Field(ge=1, le=1)] = Field(None, description="Only one candidate is generated.")
+    suffix: None = Field(None, description="Not supported: only null.")
+
+
+class PruningOverrides(BaseModel):
+    """Per-item pruning controls of a batch item (the X-Pruning-* headers, as JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sensitivity: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    layer_blacklist: list[Annotated[int, Field(ge=0)]] | None = None
+    log_level: Literal["NONE", "SUMMARY", "DETAILED"] | None = None
+    quality: bool | None = Field(None, description="Score this item against the dense model (X-Pruning-Quality).")
+
+
+class ChatBatchItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: Text | None = Field(None, max_length=256, description="Echoed back to match results to items.")
+    url: Literal["/v1/chat/completions"]
+    body: ChatCompletionRequest
+    pruning: PruningOverrides | None = None
+
+
+class CompletionBatchItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: Text | None = Field(None, max_length=256, description="Echoed back to match results to items.")
+    url: Literal["/v1/completions"]
+    body: CompletionRequest
+    pruning: PruningOverrides | None = None
+
+
+class BatchRequest(BaseModel):
+    """POST /v1/batch: several requests, each pruned independently; `stream` is not allowed inside."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests: list[Annotated[ChatBatchItem | CompletionBatchItem, Field(discriminator="url")]] = Field(min_length=1)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class QualityScore(BaseModel):
+    """Teacher-forced comparison with the dense model on the dense continuation (prunewatch.engine.quality)."""
+
+    token_agreement: float = Field(description="Share of positions where pruned and dense argmax agree, 0..1.")
+    dense_perplexity: float
+    pruned_perplexity: float
+    perplexity_delta_pct: float = Field(description="(pruned - dense) / dense x 100.")
+    scored_tokens: int
+
+
+class PrunewatchStats(BaseModel):
+    """What pruning did to this request, and what it cost. Same numbers as the X-Pruning-* headers."""
+
+    request_id: str
+    pruning_ratio: float = Field(description="1 - executed / dense work, in ratio_unit, prefill + decode; 0 is dense.")
+    prefill_pruning_ratio: float = Field(description="The same over the prompt's forward pass alone.")
+    decode_pruning_ratio: float = Field(description="The same over the decode steps alone.")
+    ratio_unit: str = Field(RATIO_UNIT, description="What the ratio counts: linear-layer FLOPs.")
+    ratio_source: str = Field(description="'measured': counted from the linear layers that actually ran.")
+    executed_flops: int
+    dense_flops: int
+    sensitivity: float
+    layers_bypassed: list[int]
+    layers_total: int
+    heads_gated: int
+    sparsity: float = Field(description="Activation sparsity of the linear inputs (0 until the engine zeroes any).")
+    total_tokens: int
+    domain: str | None = Field(description="Calibrated domain the prompt matched; null when it ran dense.")
+    domain_confidence: float
+    fallback_reason: str | None = Field(description="Why it ran dense although sensitivity > 0 (e.g. uncalibrated).")
+    effective_sensitivity: float = Field(description="Sensitivity after the adaptive-threshold signals (configured weights).")
+    signals: dict[str, Any] | None = Field(description="Each adaptive-threshold signal's value and factor.")
+    quality_flags: list[str] = Field(description="ratio_above_red_line / agreement_below_floor when crossed.")
+    quality: QualityScore | None = Field(
+        description="Measured against the dense model on the same prompt; null unless X-Pruning-Quality: on.")
+    preprocessing_ms: float
+    inference_ms: float
+    postprocessing_ms: float
+    quality_ms: float = Field(description="Time of the quality check (dense re-run + scoring); 0 when not asked.")
+    queue_ms: float = Field(description="Time admitted but waiting for a free worker.")
+    ttft_ms: float
+    tokens_per_s: float
+    decode_tokens_per_s: float
+    decoding: Literal["greedy"] = "greedy"
+    device: str
+    device_name: str | None = Field(
+        None, description="Where the timings were measured: the processor's model name on a CPU, the GPU's on CUDA.")
+    dtype: str
+    peak_memory_bytes: int
+    peak_memory_source: str
+    dram_bytes_per_instruction: float | None
+    dram_source: str
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prunewatch: PrunewatchStats
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    prunewatch: PrunewatchStats
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object; every non-2xx answer has this shape."""
+
+    error: ErrorDetail
+
+
+class BatchResult(BaseModel):
+    index: int
+    custom_id: str | None
+    status_code: int
+    response: ChatCompletion | Completion | None = None
+    error: ErrorDetail | None = None
+
+
+class BatchResponse(BaseModel):
+    object: Literal["batch.result"] = "batch.result"
+    data: list[BatchResult]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prunewatch"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    calibrated: bool

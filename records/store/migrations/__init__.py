@@ -1,1 +1,0 @@
-"""Alembic migrations of the result store; run with `prunewatch db upgrade` or `records.store.upgrade`."""
