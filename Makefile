@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 DEBIAN_PACKAGES := postgresql prometheus prometheus-alertmanager prometheus-pushgateway chromium chromium-driver poppler-utils
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps run test kernels clean
+.PHONY: setup system-deps run test lint kernels clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,10 @@ system-deps:
 run: kernels
 	$(BIN)/prunewatch run $(RUN_ARGS)
 
-test: system-deps kernels
+lint: setup
+	$(BIN)/ruff check .
+
+test: system-deps kernels lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -526,7 +526,7 @@ def write_plot(result: dict, path: Path) -> None:
     speed.set_xlabel("achieved sparsity s (share of sparse-layer weight bytes skipped per step)")
     speed.set_ylabel("decode tokens/s ratio (measured)")
     threads = result["machine"]["torch_threads"]
-    start, end = result["machine"]["load_average_start"][0], result["machine"]["load_average_end"][0]
+    start, end = result["machine"]["load_average_at_start"], result["machine"]["load_average_at_end"]
     weights = result["speed"]["model"]["weights"].rsplit(", ", 1)[-1]  # fp32 on the CPU, bf16 on CUDA
     where = result["machine"].get("gpu") or f"{threads} thread{'s' if threads != 1 else ''}"
     speed.set_title(f"Speed: {result['speed']['model']['params'] / 1e9:.2f} B-param Llama, random {weights} weights, "

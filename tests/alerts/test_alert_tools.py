@@ -17,7 +17,7 @@ import yaml
 from prunewatch.alerts import RuleSettings, render_rules
 from prunewatch.alerts.settings import ALERTMANAGER_PATH, RULES_PATH
 
-REPO = RULES_PATH.parent.parent
+REPO = RULES_PATH.parents[2]
 
 
 def tool(name: str) -> str:
