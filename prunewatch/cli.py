@@ -126,7 +126,8 @@ def run(
 @app.command("calibrate")
 def calibrate_command(
     model: str = typer.Option(None, help=MODEL_HELP),
-    probes: Path = typer.Option(None, help="Probes YAML whose texts calibrate each domain (default: canonical)."),
+    probes: Path = typer.Option(None, help="Calibration probes YAML whose texts calibrate each domain "
+                                            "(default: the calibration set, probes/calibration.yaml)."),
     out: Path = typer.Option(Path("calibration"), help="Folder for the calibration JSON and heatmap PNG."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ) -> None:
@@ -135,10 +136,10 @@ def calibrate_command(
 
     from prunewatch.engine import EngineError, EngineSettings, PruningEngine
     from prunewatch.engine.heatmap import write_heatmap
-    from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+    from prunewatch.probes import CALIBRATION_PATH, ProbeFileError, load_calibration_set
 
     try:
-        probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
+        probe_set = load_calibration_set(probes or CALIBRATION_PATH)
         engine = PruningEngine.load(EngineSettings(model_dir=model_folder(model), device=device))
     except (EngineError, ProbeFileError) as exc:
         raise fail(str(exc))
@@ -200,7 +201,7 @@ def serve_command(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     queue_depth: int = typer.Option(None, help="Requests waiting + running before 429 (default 64)."),
     workers: int = typer.Option(None, help="Requests generated at once."),
-    probes: Path = typer.Option(None, help="Probes YAML used to calibrate (default: canonical)."),
+    probes: Path = typer.Option(None, help="Calibration probes YAML (default: the calibration set)."),
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
     from pydantic import ValidationError

@@ -55,7 +55,7 @@ def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_di
     with sqlite3.connect(db) as connection:
         rows = connection.execute(
             "SELECT round_id, probe_id, status, pruning_ratio, preprocessing_ms, inference_ms, postprocessing_ms, "
-            "tokens_per_s, ttft_ms, token_agreement FROM probe_results").fetchall()
+            "tokens_per_s, ttft_ms, continuation_agreement FROM probe_results").fetchall()
         rounds = connection.execute("SELECT COUNT(*) FROM collector_rounds WHERE finished_at IS NOT NULL").fetchone()
     assert rounds == (2,)
     assert len(rows) == 12

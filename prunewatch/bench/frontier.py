@@ -54,6 +54,7 @@ from prunewatch.bench.mechanisms import (
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.settings import OUTPUT_HEAD_FULL_AT
 from prunewatch.engine.sparse.calibration import SparsityCalibration, sparsity_calibration_path
+from prunewatch.probes import load_calibration_set
 
 AGREEMENT_RANGE = (0.90, 0.99)
 DOUBLE_FROM = 0.95  # at agreement >= this, the default's ratio must be >= 2x TEAL-uniform's
@@ -199,7 +200,7 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
         rows.append(row)
     some = next(iter(engines.values()))
     greedy = next((e for (allocation, _), e in engines.items() if allocation == "greedy"), None)
-    plan = _plan_summary(greedy, probe_set.digest) if greedy is not None else None
+    plan = _plan_summary(greedy, load_calibration_set().digest) if greedy is not None else None
     result = {
         "device": "cpu",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -123,24 +123,24 @@ def _engine(model_dir: Path, calibration_dir: Path, sensitivity: float, **settin
     """A calibrated CPU engine with head gating and the sparse kernel installed; `settings` are further
     EngineSettings fields (e.g. sparsity_allocation, sparsity_score)."""
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.probes import load_probes
+    from prunewatch.probes import EVALUATION_PATH, load_calibration_set, load_probes
 
-    probe_set = load_probes()
+    calibration = load_calibration_set()
     engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device="cpu", calibration_dir=calibration_dir,
                                                sensitivity=sensitivity, log_level="NONE", head_gating=True,
                                                **settings))
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
-    engine.enable_activation_sparsity(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(calibration.calibration_texts(), calibration.digest)
+    engine.enable_activation_sparsity(calibration.calibration_texts(), calibration.digest)
     engine.enable_output_head()
-    return engine, probe_set
+    return engine, load_probes(EVALUATION_PATH)  # quality is read on held-out prompts, never on calibration
 
 
 def _aggregate(config: Mechanisms, stats: list, dense_tps: float, heldout_delta: float) -> MechanismRow:
     ratios = [s.pruning_ratio for s in stats]
-    agreements = [s.quality.token_agreement for s in stats]
-    tokens = sum(s.quality.scored_tokens for s in stats)
-    dense_nll = sum(math.log(s.quality.dense_perplexity) * s.quality.scored_tokens for s in stats)
-    pruned_nll = sum(math.log(s.quality.pruned_perplexity) * s.quality.scored_tokens for s in stats)
+    agreements = [s.quality.continuation_agreement for s in stats]
+    tokens = sum(s.quality.continuation_tokens for s in stats)
+    dense_nll = sum(math.log(s.quality.dense_perplexity) * s.quality.continuation_tokens for s in stats)
+    pruned_nll = sum(math.log(s.quality.pruned_perplexity) * s.quality.continuation_tokens for s in stats)
     delta = (math.exp((pruned_nll - dense_nll) / tokens) - 1.0) * 100.0
     tps = statistics.median(s.decode_tokens_per_s for s in stats)
     agreement = statistics.fmean(agreements)

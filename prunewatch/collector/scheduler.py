@@ -20,6 +20,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from prunewatch.collector.exporters import Exporter
 from prunewatch.collector.probe_round import RoundSummary, run_round
+from prunewatch.collector.reference import Reference
 from prunewatch.collector.targets import Target
 from prunewatch.probes import ProbeSet
 
@@ -37,6 +38,7 @@ class TargetJob:
     jitter_s: float = 0.0
     first_delay_s: float = 0.0  # spread first rounds too when many targets start at once
     baseline_every: int | None = None  # every N rounds (the first included) also probe dense: a measured baseline
+    reference: Reference | None = None  # scores every served answer against a dense model (collector.reference)
 
 
 class ProbeScheduler:
@@ -90,7 +92,7 @@ class ProbeScheduler:
         with self._lock:
             baseline = job.baseline_every is not None and self.rounds_by_target[name] % job.baseline_every == 0
         summary = run_round(job.target, job.probe_set, self.exporters, stop=self.stop_event, timeout_s=job.timeout_s,
-                            baseline=baseline)
+                            baseline=baseline, reference=job.reference)
         with self._lock:
             self.completed_rounds += 1
             self.rounds_by_target[name] += 1

@@ -194,7 +194,7 @@ def tune_command(
                                 quality_floor=quality_floor, configured_red_line=RuleSettings().quality_red_line)
         if model is not None:
             probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
-            engine = load_engine_cached(model_folder(model), device, probe_set, FleetSettings().calibration_dir, {})
+            engine = load_engine_cached(model_folder(model), device, FleetSettings().calibration_dir, {})
             subject, subject_probes = InProcessTarget(engine, name=engine.name), probe_set
         else:
             parsed = load_targets(config)

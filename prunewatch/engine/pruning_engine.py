@@ -27,7 +27,7 @@ from prunewatch.engine.heads import HeadGating, install_head_gating
 from prunewatch.engine.loading import LoadedModel, load_model
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.planner import BypassPlan, plan_bypass, validate_request
-from prunewatch.engine.quality import score_against_dense
+from prunewatch.engine.quality import answer_token_scores, divergence, quality_check, quality_report
 from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
 from prunewatch.engine.signals import memory_pressure
 from prunewatch.engine.stats import GenerationResult, RequestStats
@@ -389,7 +389,7 @@ class PruningEngine:
         sensitivity: float | None = None,
         layer_blacklist: Sequence[int] | None = None,
         log_level: LogLevel | None = None,
-        quality: bool = False,
+        quality: bool | str = False,
         use_cache: bool = True,
         request_id: str | None = None,
         prompt_ids: Sequence[int] | None = None,
@@ -401,7 +401,9 @@ class PruningEngine:
         check limits, or a raw completion prompt from `render_raw`); `prompt`/`messages` then only
         feed the anomaly checks. `stop`: strings that end the completion where one first appears in the
         generated text, which is cut before it (finish_reason "stop"); while streaming, the last
-        len(longest stop) - 1 characters wait until they cannot begin one.
+        len(longest stop) - 1 characters wait until they cannot begin one. `quality`: "on" (or True) scores the
+        served answer against the dense model in one teacher-forced pass; "full" also generates the dense answer
+        for the continuation figures and the divergence (engine.quality); the time is `quality_ms`, apart.
         """
         started = time.perf_counter()
         sensitivity = self.settings.sensitivity if sensitivity is None else float(sensitivity)
@@ -411,6 +413,7 @@ class PruningEngine:
         if max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         stops = stop_sequences(stop)
+        check = quality_check(quality)
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
         if not prompt_ids:
@@ -457,18 +460,22 @@ class PruningEngine:
                 text = text[:stopped_at]
             if len(text) > len(text_so_far):
                 yield TokenDelta(text[len(text_so_far):], tokens[-1])
+            served_ids = self._served_ids(tokens, text, stopped_at)
             report = None
             quality_s = 0.0
-            if quality:  # its own figure: the dense re-run is not part of this request's postprocessing
+            if check != "off":  # its own figure: the scoring is not part of this request's postprocessing
                 quality_started = time.perf_counter()
-                if plan.skips_work:
-                    # A stop sequence ended the answer where its text did: the dense reference is scored over
+                dense = None
+                if check == "full":
+                    # A stop sequence ended the answer where its text did: the dense reference is generated over
                     # as many tokens, not over the text the client never received.
                     reference_tokens = len(tokens) if stopped_at >= 0 else max_new_tokens
-                    dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
-                else:
-                    dense = tokens
-                report = score_against_dense(self.instrumented, prompt_ids, dense, plan, self.loaded.device)
+                    dense = (list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
+                             if plan.skips_work else tokens)
+                report = quality_report(self.instrumented, prompt_ids, served_ids, plan, self.loaded.device, dense)
+                if report is not None and dense is not None:  # where the served text leaves the dense text
+                    report = replace(report, divergence_at=divergence(
+                        served_ids, [t for t in dense if t not in self._eos_ids]))
                 quality_s = time.perf_counter() - quality_started
             peak = memory.peak_bytes()
         completion = len(tokens)
@@ -514,7 +521,7 @@ class PruningEngine:
         self._log(stats, bypass_plan, log_level)
         stats.quality_ms = _ms(quality_s)
         stats.postprocessing_ms = _ms(time.perf_counter() - inferred - quality_s)
-        yield GenerationResult(text=text, token_ids=tokens, stats=stats)
+        yield GenerationResult(text=text, token_ids=tokens, stats=stats, served_ids=served_ids)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Run one request to completion; see `stream` for the parameters."""
@@ -579,11 +586,29 @@ class PruningEngine:
         return replace(plan, layer_sparsity=per_layer,
                        family_scale=tuple(sorted(self.settings.sparsity_family_scale.items())))
 
+    def answer_logprobs(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> tuple[list[bool], list[float]]:
+        """An answer (from this engine or any other with the same tokenizer) scored by this model run dense, in one
+        teacher-forced pass: per token, whether it is the argmax, and its log-probability (engine.quality). The
+        collector's in-process reference calls it."""
+        return answer_token_scores(self.instrumented.model, prompt_ids, answer_ids, self.loaded.device)
+
+    def reference_answer(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """This model's own greedy answer, dense, ended by end of sequence (left out) or the length."""
+        tokens = list(self._decode(list(prompt_ids), ExecutionPlan(), ExecutionLedger(), max_new_tokens, True))
+        return [t for t in tokens if t not in self._eos_ids]
+
+    def _served_ids(self, tokens: list[int], text: str, stopped_at: int) -> list[int]:
+        """The answer's tokens as the client received them: end of sequence left out, and an answer cut by a
+        stop sequence re-tokenized from its text (the tokens past the cut were never served)."""
+        if stopped_at >= 0:
+            return list(self.loaded.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+        return [t for t in tokens if t not in self._eos_ids]
+
     def _quality_flags(self, ratio: float, report) -> list[str]:
         flags = []
         if ratio > self.settings.ratio_red_line:
             flags.append("ratio_above_red_line")
-        if report is not None and report.token_agreement < self.settings.agreement_floor:
+        if report is not None and report.reference_agreement < self.settings.agreement_floor:
             flags.append("agreement_below_floor")
         return flags
 

@@ -21,6 +21,7 @@ from jinja2 import TemplateError
 from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.hardware import device_model_name
 from prunewatch.engine.pruning_engine import PruningEngine, TokenDelta, stop_sequences
+from prunewatch.engine.quality import quality_check
 from prunewatch.engine.settings import LogLevel
 from prunewatch.engine.stats import GenerationResult, RequestStats
 from prunewatch.server.admission import AdmissionQueue, GenerationJob, QueueFullError, Slot
@@ -117,7 +118,7 @@ def merge_overrides(base: PruningRequest, item: PruningOverrides | None, num_lay
     if item.log_level is not None:
         merged = replace(merged, log_level=LogLevel(item.log_level))
     if item.quality is not None:
-        merged = replace(merged, quality=item.quality)
+        merged = replace(merged, quality=quality_check(item.quality))
     return merged
 
 

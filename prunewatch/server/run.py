@@ -25,14 +25,14 @@ logger = logging.getLogger("prunewatch.server")
 def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["auto", "cpu", "cuda"] = "auto",
                  *, probes_path: Path | None = None, calibration_dir: Path | None = None,
                  log_level: LogLevel = LogLevel.SUMMARY) -> PruningEngine:
-    """Load the model and attach a calibration (cached, else measured on the canonical probes)."""
-    from prunewatch.probes import DEFAULT_PROBES_PATH, load_probes
+    """Load the model and attach a calibration (cached, else measured on the calibration set)."""
+    from prunewatch.probes import CALIBRATION_PATH, load_calibration_set
 
     engine = PruningEngine.load(EngineSettings(
         model_dir=Path(model_dir), device=device, sensitivity=sensitivity, calibration_dir=calibration_dir,
         log_level=log_level,
     ))
-    probe_set = load_probes(probes_path or DEFAULT_PROBES_PATH)
+    probe_set = load_calibration_set(probes_path or CALIBRATION_PATH)
     calibration, cached = engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     logger.info("%s calibration for %s: %d domains (%s)", "cached" if cached else "new", engine.name,
                 len(calibration.domains), ", ".join(sorted(calibration.domains)))

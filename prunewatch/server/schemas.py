@@ -119,7 +119,8 @@ class PruningOverrides(BaseModel):
     sensitivity: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     layer_blacklist: list[Annotated[int, Field(ge=0)]] | None = None
     log_level: Literal["NONE", "SUMMARY", "DETAILED"] | None = None
-    quality: bool | None = Field(None, description="Score this item against the dense model (X-Pruning-Quality).")
+    quality: bool | Literal["on", "full", "off"] | None = Field(
+        None, description="Score this item's answer against the dense model, as X-Pruning-Quality (true is on).")
 
 
 class ChatBatchItem(BaseModel):
@@ -158,13 +159,23 @@ class Usage(BaseModel):
 
 
 class QualityScore(BaseModel):
-    """Teacher-forced comparison with the dense model on the dense continuation (prunewatch.engine.quality)."""
+    """The served answer scored against the dense model on the same prompt (prunewatch.engine.quality)."""
 
-    token_agreement: float = Field(description="Share of positions where pruned and dense argmax agree, 0..1.")
-    dense_perplexity: float
-    pruned_perplexity: float
-    perplexity_delta_pct: float = Field(description="(pruned - dense) / dense x 100.")
-    scored_tokens: int
+    reference_agreement: float = Field(
+        description="Share of the served answer's tokens equal to the dense model's argmax given the served prefix.")
+    reference_tokens: int = Field(description="Served answer tokens scored.")
+    served_nll: float = Field(description="Mean NLL (nats/token) of the served answer under the dense model.")
+    continuation_agreement: float | None = Field(
+        None, description="Full check only: the pruned model's argmax agreement, teacher-forced on the dense "
+                          "model's own continuation (more forgiving than reference_agreement).")
+    dense_perplexity: float | None = None
+    pruned_perplexity: float | None = None
+    perplexity_delta_pct: float | None = Field(None, description="Full check only: (pruned - dense) / dense x 100 "
+                                                                 "on the dense continuation.")
+    continuation_tokens: int | None = None
+    reference_nll: float | None = Field(None, description="Full check only: mean NLL of the dense continuation.")
+    divergence_at: int | None = Field(
+        None, description="Full check only: first token where the served answer leaves the dense one; null if never.")
 
 
 class PrunewatchStats(BaseModel):
@@ -191,11 +202,12 @@ class PrunewatchStats(BaseModel):
     signals: dict[str, Any] | None = Field(description="Each adaptive-threshold signal's value and factor.")
     quality_flags: list[str] = Field(description="ratio_above_red_line / agreement_below_floor when crossed.")
     quality: QualityScore | None = Field(
-        description="Measured against the dense model on the same prompt; null unless X-Pruning-Quality: on.")
+        description="Measured against the dense model on the same prompt; null unless X-Pruning-Quality: on or full.")
     preprocessing_ms: float
     inference_ms: float
     postprocessing_ms: float
-    quality_ms: float = Field(description="Time of the quality check (dense re-run + scoring); 0 when not asked.")
+    quality_ms: float = Field(description="Time of the quality check (the scoring pass, plus the dense re-generation "
+                                          "of a full check); 0 when not asked.")
     queue_ms: float = Field(description="Time admitted but waiting for a free worker.")
     ttft_ms: float
     tokens_per_s: float

@@ -81,7 +81,7 @@ def test_governor_brings_agreement_back_to_the_floor_and_relaxes(default_engine,
     for d in decisions:
         ran = by_round[d.round_id]
         assert {r.sensitivity for r in ran} == {d.old_setting} and d.probes == len(ran) == 2
-        assert d.agreement == pytest.approx(sum(r.token_agreement for r in ran) / len(ran), abs=1e-6)
+        assert d.agreement == pytest.approx(sum(r.continuation_agreement for r in ran) / len(ran), abs=1e-6)
         assert (d.new_setting, d.reason, d.good_rounds) == decide(SETTINGS, d.old_setting, d.agreement, d.probes, good)
         good = d.good_rounds
     trail = [(d.old_setting, d.reason, d.new_setting) for d in decisions]

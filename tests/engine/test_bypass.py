@@ -137,12 +137,12 @@ def test_calibration_for_another_model_is_refused(probe_engine):
 def test_quality_report_scores_against_the_dense_continuation(probe_engine):
     probe = PROBES[4]
     dense = probe_engine.generate(probe.prompt, system=probe.system, max_new_tokens=16, sensitivity=0.0, quality=True)
-    assert dense.stats.quality.token_agreement == 1.0
+    assert dense.stats.quality.continuation_agreement == 1.0
     assert dense.stats.quality.perplexity_delta_pct == 0.0
     pruned = probe_engine.generate(probe.prompt, system=probe.system, max_new_tokens=16, sensitivity=1.0, quality=True)
-    assert pruned.stats.quality.scored_tokens == len(dense.token_ids)
+    assert pruned.stats.quality.continuation_tokens == len(dense.token_ids)
     assert pruned.stats.quality.dense_perplexity == pytest.approx(dense.stats.quality.dense_perplexity, rel=1e-4)
-    assert 0.0 <= pruned.stats.quality.token_agreement <= 1.0
+    assert 0.0 <= pruned.stats.quality.continuation_agreement <= 1.0
 
 
 def test_stats_phases_and_rates_are_consistent(probe_engine):

@@ -611,17 +611,17 @@ def test_quality_header_scores_against_dense_on_chat_and_batch(http: httpx.Clien
     assert response.status_code == 200
     direct = engine.generate(messages=CHAT, max_new_tokens=MAX_TOKENS, sensitivity=1.0, quality=True).stats
     served = response.json()["prunewatch"]
-    assert served["quality"]["token_agreement"] == direct.quality.token_agreement
+    assert served["quality"]["continuation_agreement"] == direct.quality.continuation_agreement
     assert served["quality"]["perplexity_delta_pct"] == direct.quality.perplexity_delta_pct
-    assert served["quality"]["scored_tokens"] == direct.completion_tokens and served["quality_ms"] > 0
+    assert served["quality"]["continuation_tokens"] == direct.completion_tokens and served["quality_ms"] > 0
     assert float(response.headers["X-Prunewatch-Quality-Ms"]) == served["quality_ms"]
     assert response.headers["X-Pruning-Stats"].endswith(
-        f",agreement={direct.quality.token_agreement!r},ppl_delta_pct={direct.quality.perplexity_delta_pct!r}")
+        f",agreement={direct.quality.continuation_agreement!r},ppl_delta_pct={direct.quality.perplexity_delta_pct!r}")
     batch = http.post("/v1/batch", headers={**AUTH, "X-Pruning-Sensitivity": "1"}, json={"requests": [
         {"url": "/v1/chat/completions", "body": body, "pruning": {"quality": True}},
         {"url": "/v1/chat/completions", "body": body}]}).json()["data"]
     scored, unscored = (item["response"]["prunewatch"] for item in batch)
-    assert scored["quality"]["token_agreement"] == direct.quality.token_agreement
+    assert scored["quality"]["continuation_agreement"] == direct.quality.continuation_agreement
     assert unscored["quality"] is None and unscored["quality_ms"] == 0.0  # no header, no cost
     refused = http.post("/v1/chat/completions", json=body, headers={**AUTH, "X-Pruning-Quality": "sometimes"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Pruning-Quality"

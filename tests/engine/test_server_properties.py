@@ -102,8 +102,8 @@ class FakeEngine:
             sensitivity=sensitivity, pruning_ratio=ratio, executed_flops=100 - len(bypassed), dense_flops=100,
             prefill_pruning_ratio=ratio, decode_pruning_ratio=ratio, layers_bypassed=bypassed,
             layers_total=self.num_layers, effective_sensitivity=sensitivity,
-            quality=QualityReport(token_agreement=1.0, dense_perplexity=2.0, pruned_perplexity=2.0,
-                                  perplexity_delta_pct=0.0, scored_tokens=max_new_tokens) if quality else None,
+            quality=QualityReport(continuation_agreement=1.0, dense_perplexity=2.0, pruned_perplexity=2.0,
+                                  perplexity_delta_pct=0.0, continuation_tokens=max_new_tokens) if quality else None,
         )
         yield GenerationResult(text="x" * max_new_tokens, token_ids=list(range(max_new_tokens)), stats=stats)
 

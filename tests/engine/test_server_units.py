@@ -146,8 +146,8 @@ def test_stats_header_format() -> None:
     )
     assert stats_header(stats) == ("layers_bypassed=3,heads_gated=12,sparsity=0.41,total_tokens=156,"
                                    "prefill_ratio=0.25,decode_ratio=0.5")
-    scored = replace(stats, quality=QualityReport(token_agreement=0.9375, dense_perplexity=3.0, pruned_perplexity=3.1,
-                                                  perplexity_delta_pct=3.3333, scored_tokens=16))
+    scored = replace(stats, quality=QualityReport(continuation_agreement=0.9375, dense_perplexity=3.0, pruned_perplexity=3.1,
+                                                  perplexity_delta_pct=3.3333, continuation_tokens=16))
     assert stats_header(scored).endswith(",decode_ratio=0.5,agreement=0.9375,ppl_delta_pct=3.3333")
     assert parse_stats_header(stats_header(scored)) == {
         "layers_bypassed": 3, "heads_gated": 12, "sparsity": 0.41, "total_tokens": 156, "prefill_ratio": 0.25,

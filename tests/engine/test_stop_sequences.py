@@ -82,7 +82,7 @@ def test_quality_is_scored_over_the_tokens_the_answer_kept(probe_engine) -> None
     pruned = probe_engine.generate(PROMPT, max_new_tokens=TOKENS, sensitivity=1.0, quality=True, stop=[stop])
     assert pruned.text == whole.text[:at] and pruned.stats.finish_reason == "stop"
     assert pruned.stats.quality is not None
-    assert pruned.stats.quality.scored_tokens == len(pruned.token_ids) < TOKENS
+    assert pruned.stats.quality.continuation_tokens == len(pruned.token_ids) < TOKENS
 
 
 @pytest.mark.parametrize("stop, message", [
