@@ -30,6 +30,7 @@ from prunewatch.probes import ProbeSet, load_probes
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.store import ResultRepository, connect
 from prunewatch.records.store.governor import GovernorRepository
+from tests.conftest import calibration_inputs
 
 FLOOR = 0.95
 SETTINGS = GovernorSettings(floor=FLOOR, margin=0.02, step_down=0.5, step_up=0.05, relax_after=1)
@@ -44,8 +45,7 @@ def default_engine(probe_model_dir, tmp_path_factory):
 
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
                                                calibration_dir=tmp_path_factory.mktemp("calibration")))
-    probes = load_probes()
-    engine.load_or_calibrate(probes.calibration_texts(), probes.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     return engine
 
 

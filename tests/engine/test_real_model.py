@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from prunewatch.engine.model_store import DEFAULT_MODEL, pull
+from tests.conftest import calibration_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +32,10 @@ def real_model_dir() -> Path:
 def real_engine(real_model_dir: Path, calibration_dir: Path):
     """The engine exactly as `prunewatch run` builds it: every setting at its default."""
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.probes import load_probes
 
     engine = PruningEngine.load(EngineSettings(model_dir=real_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                log_level="NONE"))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     return engine
 
 
