@@ -21,12 +21,15 @@ from promql_parser import (
     AggModifierType,
     AggregateExpr,
     BinaryExpr,
+    BinModifier,
     Call,
     Expr,
+    LabelModifierType,
     MatrixSelector,
     NumberLiteral,
     ParenExpr,
     UnaryExpr,
+    VectorMatchCardinality,
     VectorSelector,
 )
 
@@ -325,12 +328,14 @@ class Engine:
     def _binary(self, node: BinaryExpr) -> Value:
         lhs, rhs = self.eval(node.lhs), self.eval(node.rhs)
         op = str(node.op)
+        if op in SET_OPERATORS:
+            return _set_operation(op, node.modifier, lhs, rhs)  # type: ignore[arg-type]
         is_cmp = op in COMPARISONS
         bool_modifier = node.modifier is not None and node.modifier.return_bool
         if isinstance(lhs, float) and isinstance(rhs, float):  # the library requires bool on a scalar comparison
             return float(_COMPARE[op](lhs, rhs)) if is_cmp else _ARITHMETIC[op](lhs, rhs)
         if isinstance(lhs, list) and isinstance(rhs, list):
-            return self._vector_vector(op, is_cmp, bool_modifier, lhs, rhs)
+            return _vector_vector(op, node.modifier, lhs, rhs)
         vector, scalar, swapped = (lhs, rhs, False) if isinstance(lhs, list) else (rhs, lhs, True)
         out = []
         for s in vector:
@@ -345,30 +350,93 @@ class Engine:
                 out.append(Sample(_drop(s.labels, NAME), _ARITHMETIC[op](a, b)))
         return out
 
-    def _vector_vector(self, op: str, is_cmp: bool, bool_modifier: bool, lhs: Vector, rhs: Vector) -> Vector:
-        def signatures(vector: Vector, side: str) -> dict[Labels, Sample]:
-            index: dict[Labels, Sample] = {}
-            for s in vector:
-                key = _drop(s.labels, NAME)
-                if key in index:
-                    raise EvaluationError(f"many-to-many matching: duplicate series {dict(key)} on the {side} side")
-                index[key] = s
-            return index
 
-        right = signatures(rhs, "right")
-        signatures(lhs, "left")
-        out = []
-        for s in lhs:
-            key = _drop(s.labels, NAME)
-            other = right.get(key)
-            if other is None:
+SET_OPERATORS = frozenset({"and", "or", "unless"})
+
+
+def _signature(labels: Labels, modifier: BinModifier | None) -> Labels:
+    """The labels two samples are matched on: all but the name, or only `on(...)`, or all but `ignoring(...)`."""
+    matching = modifier.matching if modifier is not None else None
+    if matching is None:
+        return _drop(labels, NAME)
+    names = set(matching.labels)
+    if matching.type == LabelModifierType.Include:
+        return tuple((k, v) for k, v in labels if k in names)
+    return tuple((k, v) for k, v in labels if k not in names and k != NAME)
+
+
+def _set_operation(op: str, modifier: BinModifier | None, lhs: Vector, rhs: Vector) -> Vector:
+    """`and`, `or`, `unless` as Prometheus does them: many-to-many on the matching labels, names kept."""
+    right = {_signature(s.labels, modifier) for s in rhs}
+    if op == "and":
+        return [s for s in lhs if _signature(s.labels, modifier) in right]
+    if op == "unless":
+        return [s for s in lhs if _signature(s.labels, modifier) not in right]
+    left = {_signature(s.labels, modifier) for s in lhs}
+    return list(lhs) + [s for s in rhs if _signature(s.labels, modifier) not in left]
+
+
+def _vector_vector(op: str, modifier: BinModifier | None, lhs: Vector, rhs: Vector) -> Vector:
+    """Prometheus' VectorBinop: one-to-one, or many-to-one / one-to-many with group_left / group_right, whose
+    listed labels are copied from the "one" side. A comparison without bool keeps the left operand's value."""
+    is_cmp = op in COMPARISONS
+    bool_modifier = modifier is not None and modifier.return_bool
+    card = modifier.card if modifier is not None else None
+    one_to_many = card == VectorMatchCardinality.OneToMany
+    many_to_one = card == VectorMatchCardinality.ManyToOne
+    many, one = (rhs, lhs) if one_to_many else (lhs, rhs)
+    index: dict[Labels, Sample] = {}
+    for s in one:
+        key = _signature(s.labels, modifier)
+        if key in index:
+            side = "left" if one_to_many else "right"
+            raise EvaluationError(f"many-to-many matching not allowed: duplicate series {dict(key)} on the {side} "
+                                  "side (matching labels must be unique on one side)")
+        index[key] = s
+    grouped = one_to_many or many_to_one
+    include = list(modifier.group_labels or ()) if grouped and modifier is not None else []
+    seen: set[Labels] = set()
+    out = []
+    for s in many:
+        key = _signature(s.labels, modifier)
+        other = index.get(key)
+        if other is None:
+            continue
+        left, right = (other, s) if one_to_many else (s, other)
+        if is_cmp:
+            keep = _COMPARE[op](left.value, right.value)
+            if not keep and not bool_modifier:
                 continue
-            if is_cmp:
-                keep = _COMPARE[op](s.value, other.value)
-                if bool_modifier:
-                    out.append(Sample(key, float(keep)))
-                elif keep:
-                    out.append(s)
+            value = float(keep) if bool_modifier else left.value
+        else:
+            value = _ARITHMETIC[op](left.value, right.value)
+        labels = dict(s.labels)  # Prometheus' resultMetric: the "many" side's labels
+        if not is_cmp:
+            labels.pop(NAME, None)
+        matching = modifier.matching if modifier is not None else None
+        if not grouped and matching is not None:
+            names = set(matching.labels)
+            if matching.type == LabelModifierType.Include:
+                labels = {k: v for k, v in labels.items() if k in names}
             else:
-                out.append(Sample(key, _ARITHMETIC[op](s.value, other.value)))
-        return out
+                labels = {k: v for k, v in labels.items() if k not in names}
+        if bool_modifier:
+            labels.pop(NAME, None)
+        for name in include:
+            value_from_one = other.label(name)
+            if value_from_one:
+                labels[name] = value_from_one
+            else:
+                labels.pop(name, None)
+        result = tuple(sorted(labels.items()))
+        if grouped:
+            if result in seen:
+                raise EvaluationError(f"multiple matches for labels {dict(result)}: grouping labels must ensure "
+                                      "unique matches")
+            seen.add(result)
+        elif key in seen:
+            raise EvaluationError(f"many-to-many matching: duplicate series {dict(key)} on the left side")
+        else:
+            seen.add(key)
+        out.append(Sample(result, value))
+    return out

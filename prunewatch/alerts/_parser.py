@@ -3,8 +3,9 @@
 The maintained promql-parser library (Rust; PromQL of Prometheus 2.45) turns text into its AST and
 type-checks it, so no PromQL grammar is kept here. `parse` turns the library's errors into
 `PromQLSyntaxError` and refuses, naming the construct, valid PromQL the evaluator does not run
-(offset, @, subqueries, set operators, on/ignoring/group_left, fill, %, ^, atan2, topk and the other
-aggregations outside sum/avg/min/max/count, selectors without a metric name), so a rule the evaluator
+(offset, @, subqueries, fill, %, ^, atan2, topk and the other aggregations outside sum/avg/min/max/count,
+selectors without a metric name). Vector matching (on/ignoring, group_left/group_right) and the set operators
+and/or/unless are evaluated: the rules compare each model with its own thresholds `on(model)`., so a rule the evaluator
 cannot run is reported instead of silently skipped.
 """
 
@@ -20,7 +21,6 @@ from promql_parser import (
     BinaryExpr,
     Call,
     Expr,
-    LabelModifierType,
     MatchOp,
     MatrixSelector,
     ParenExpr,
@@ -156,14 +156,9 @@ def _unsupported_construct(node: Expr) -> str | None:
             return f"aggregation {str(node.op)!r}"
     elif isinstance(node, BinaryExpr):
         op = str(node.op)
-        if op in _SET_OPERATORS:
-            return f"set operator {op!r}"
-        if op not in COMPARISONS | ARITHMETIC:
+        if op not in COMPARISONS | ARITHMETIC | _SET_OPERATORS:
             return f"operator {op!r}"
         modifier = node.modifier
-        if modifier is not None and modifier.matching is not None:
-            keyword = "on" if modifier.matching.type == LabelModifierType.Include else "ignoring"
-            return f"vector matching modifier {keyword!r}"
         if modifier is not None and (modifier.fill_values.lhs is not None or modifier.fill_values.rhs is not None):
             return "modifier 'fill'"
     return None

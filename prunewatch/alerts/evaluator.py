@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from prunewatch.alerts._engine import Engine, EvaluationError
-from prunewatch.alerts._parser import UnsupportedExpression
+from prunewatch.alerts._parser import UnsupportedExpression, parse
 from prunewatch.alerts._series import NAME, StoreSeries
 from prunewatch.alerts._templates import render
 from prunewatch.alerts.ruleset import AlertRule, RuleFile
@@ -113,6 +113,10 @@ class AlertEvaluator:
         at = _utc(at)
         evaluation = Evaluation(at=at)
         engine = Engine(series, at.timestamp(), self.lookback_s, self.rules.recorded)
+
+        def query(expr: str) -> list:  # an annotation's `query`: the same data, the same instant
+            return engine.vector(parse(expr))
+
         for index, rule in enumerate(self.rules.alerting):
             try:
                 vector = engine.vector(rule.node)
@@ -120,11 +124,11 @@ class AlertEvaluator:
                 evaluation.errors.append(RuleError(rule.name, str(exc)))
                 logger.error("alert rule %s failed at %s: %s", rule.name, at.isoformat(), exc)
                 continue
-            evaluation.transitions.extend(self._step(index, rule, vector, at))
+            evaluation.transitions.extend(self._step(index, rule, vector, at, query))
         self.last_evaluated = at
         return evaluation
 
-    def _step(self, index: int, rule: AlertRule, vector: list, at: datetime) -> list[Transition]:
+    def _step(self, index: int, rule: AlertRule, vector: list, at: datetime, query=None) -> list[Transition]:
         active = self._active[index]
         seen: set[LabelSet] = set()
         for sample in vector:
@@ -134,7 +138,7 @@ class AlertEvaluator:
             labels.update(extra)
             labels["alertname"] = rule.name
             key: LabelSet = tuple(sorted(labels.items()))
-            annotations = {k: render(v, sample_labels, sample.value) for k, v in rule.annotations}
+            annotations = {k: render(v, sample_labels, sample.value, query) for k, v in rule.annotations}
             seen.add(key)
             if key in active:
                 active[key].value, active[key].annotations = sample.value, annotations
@@ -173,8 +177,11 @@ class AlertEvaluator:
             if alert.state == "pending" and not gap_ok:
                 continue
             labels = dict(alert.labels)
-            index = next((i for i, rule in enumerate(self.rules.alerting)
-                          if rule.name == alert.rule and all(labels.get(k) == v for k, v in rule.labels)), None)
+            # The rule of that name whose static labels it carries; of several (a measured rule and its fallback
+            # twin, which adds source="fallback"), the most specific one.
+            matching = [(len(rule.labels), i) for i, rule in enumerate(self.rules.alerting)
+                        if rule.name == alert.rule and all(labels.get(k) == v for k, v in rule.labels)]
+            index = max(matching)[1] if matching else None
             if index is None:
                 continue  # the rule is gone or changed its labels: that alert cannot be continued
             self._active[index][alert.labels] = alert

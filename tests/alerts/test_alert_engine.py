@@ -36,11 +36,8 @@ def evaluate(expr: str, results, at, lookback_s: float = 300.0):
     ("rate(prunewatch_probe_results_total[5m:1m])", "subquery"),
     ("prunewatch_pruning_ratio offset 5m", "modifier 'offset'"),
     ("rate(prunewatch_probe_results_total[5m] @ 300)", "modifier '@'"),
-    ("prunewatch_pruning_ratio and prunewatch_continuation_agreement", "set operator 'and'"),
     ("prunewatch_pruning_ratio % 2", "operator '%'"),
     ("topk(2, prunewatch_pruning_ratio)", "aggregation 'topk'"),
-    ("prunewatch_pruning_ratio / on(model) prunewatch_continuation_agreement", "vector matching modifier 'on'"),
-    ("prunewatch_pruning_ratio / ignoring(probe) prunewatch_continuation_agreement", "vector matching modifier 'ignoring'"),
     ("prunewatch_pruning_ratio / fill(0) prunewatch_continuation_agreement", "modifier 'fill'"),
     ('{__name__="prunewatch_pruning_ratio"}', "selector without a metric name"),
     ('prunewatch_pruning_ratio{domain="legal" or domain="tech"}', "'or' between label matchers"),
@@ -157,11 +154,64 @@ def test_templates_render_as_go_does(template: str, value: float, expected: str)
     assert render(template, {"domain": "legal"}, value) == expected
 
 
+def test_vector_matching_on_group_left_and_set_operators_follow_prometheus() -> None:
+    """What the per-model thresholds need: `on(model) group_left(source)`, `unless on(model)`, `and`, `or`."""
+    from prunewatch.alerts._series import threshold_series
+    from prunewatch.records.operating_range import Threshold
+
+    rows = [result(T0, "legal", "l1", ratio=0.1), result(T0, "tech", "t1", ratio=0.3),
+            result(T0, "legal", "l1", ratio=0.1, model="other")]
+    series = StoreSeries(rows, extra=threshold_series([Threshold("probe-llama", "ratio_low", 0.2, "tune", "x")]))
+
+    def run(expr: str):
+        engine = Engine(series, T0.timestamp(), 300.0)
+        return [(dict(s.labels), s.value) for s in sorted(engine.vector(parse(expr)), key=lambda s: s.labels)]
+
+    figure = "avg by (model, domain) (prunewatch_pruning_ratio)"
+    threshold = 'max by (model, source) (prunewatch_alert_threshold{kind="ratio_low"})'
+    assert run(f"{figure} < on(model) group_left(source) {threshold}") == [
+        ({"domain": "legal", "model": "probe-llama", "source": "tune"}, 0.1)]  # the left value, the right's source
+    assert run(f"{figure} / on(model) group_left {threshold}") == [
+        ({"domain": "legal", "model": "probe-llama"}, 0.5), ({"domain": "tech", "model": "probe-llama"}, pytest.approx(1.5))]
+    assert run(f'({figure} < 0.35) unless on(model) prunewatch_alert_threshold{{kind="ratio_low"}}') == [
+        ({"domain": "legal", "model": "other"}, 0.1)]  # only the model without a measured threshold
+    assert [labels["model"] for labels, _ in run(f"{figure} and on(model) {threshold}")] == ["probe-llama"] * 2
+    assert len(run(f'{figure} or on(model, domain) prunewatch_alert_threshold')) == 4  # no domain: no match
+    assert run(f"{figure} < bool on(model, domain) {figure}") == [
+        ({"domain": "legal", "model": "other"}, 0.0), ({"domain": "legal", "model": "probe-llama"}, 0.0),
+        ({"domain": "tech", "model": "probe-llama"}, 0.0)]
+    with pytest.raises(ValueError, match="many-to-many"):
+        run(f"{figure} < on(domain) group_left {figure}")  # two models per domain on the "one" side
+
+
+def test_templates_quote_a_query_with_with_else_end() -> None:
+    from prunewatch.alerts._engine import Sample
+
+    def query(expr: str):
+        assert expr == "prunewatch_alert_threshold{model='m',kind='ratio_low'}"
+        return [Sample((("kind", "ratio_low"), ("model", "m"), ("source", "tune")), 0.06)]
+
+    template = ('floor {{ with printf "prunewatch_alert_threshold{model=\'%s\',kind=\'ratio_low\'}" $labels.model | '
+                'query }}{{ . | first | value | printf "%.3f" }} ({{ . | first | label "source" }}){{ else }}none'
+                '{{ end }}, value {{ $value }}')
+    assert render(template, {"model": "m"}, 0.5, query) == "floor 0.060 (tune), value 0.5"
+    assert render(template, {"model": "m"}, 0.5, lambda expr: []) == "floor none, value 0.5"
+    assert render(template, {"model": "m"}, 0.5) == "floor none, value 0.5"  # no query function: nothing found
+    assert render("{{ query \"x\" | first | value }}", {}, 1.0, lambda expr: []).startswith(
+        "<error expanding template: first() called on vector with no elements")
+    assert render('{{ printf "%s/%s: %5.1f%%" $labels.a $labels.b $value }}', {"a": "x", "b": "y"}, 12.34) == \
+        "x/y:  12.3%"
+
+
 def test_unsupported_template_is_refused() -> None:
     with pytest.raises(UnsupportedTemplate, match="humanizePercentage"):
         render("{{ $value | humanizePercentage }}", {}, 0.5)
     with pytest.raises(UnsupportedTemplate, match="%d of a float"):
         render('{{ $value | printf "%d" }}', {}, 1.0)
+    with pytest.raises(UnsupportedTemplate, match="range"):
+        render("{{ range query \"x\" }}{{ end }}", {}, 1.0)
+    with pytest.raises(UnsupportedTemplate, match="without its"):
+        render("{{ with query \"x\" }}open", {}, 1.0)
 
 
 def test_durations_round_trip_in_prometheus_notation() -> None:
