@@ -80,7 +80,7 @@ def run(
     probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes). (env PRUNEWATCH_PROBES_PATH)"),
     baseline_every: int = typer.Option(
         None, help="Every N rounds (the first included) also run each probe dense, stored as a measured baseline "
-                   "for the ROI report (default: never). (env PRUNEWATCH_BASELINE_EVERY)"),
+                   "for the ROI report and the latency rules (default 10; 0 never). (env PRUNEWATCH_BASELINE_EVERY)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
     govern: bool = typer.Option(False, "--govern/--no-govern", envvar="PRUNEWATCH_GOVERN",
                                 help="Hold the token-agreement floor per domain with the quality governor "
@@ -306,6 +306,7 @@ def _mount_groups() -> None:
     alerts_app.command("render-rules")(alerts_cli.render_rules_command)
     alerts_app.command("check")(alerts_cli.check_command)
     alerts_app.command("eval")(alerts_cli.eval_command)
+    alerts_app.command("thresholds")(alerts_cli.thresholds_command)
     app.add_typer(alerts_app, name="alerts")
 
     dashboards_app = typer.Typer(help="Grafana dashboards as code: export JSON, push to Grafana.", no_args_is_help=True)

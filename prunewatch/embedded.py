@@ -38,8 +38,9 @@ class RunOutcome:
     failures: int
 
 
-def _embedded_alerting(settings: CollectorSettings, db):
-    """The same rules as Prometheus, evaluated over the store; state kept beside a SQLite store."""
+def _embedded_alerting(settings: CollectorSettings, db, thresholds=()):
+    """The same rules as Prometheus, evaluated over the store with the model's measured thresholds; state kept
+    beside a SQLite store."""
     from sqlalchemy.engine import make_url
 
     from prunewatch.alerts import AlertingSettings, EmbeddedAlerting
@@ -50,7 +51,35 @@ def _embedded_alerting(settings: CollectorSettings, db):
         if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
             alert_settings = alert_settings.model_copy(
                 update={"state_path": Path(url.database).with_suffix(".alerts.json")})
-    return EmbeddedAlerting(alert_settings, db)
+    return EmbeddedAlerting(alert_settings, db, thresholds=thresholds)
+
+
+def _operating_range(settings: CollectorSettings, engine, reference, probe_set, calibration_digest: str, console):
+    """The model's healthy operating range (its alert thresholds): cached beside the calibration, else measured
+    now on the evaluation prompts of the probed domains at the engine's default configuration. Never fatal: without
+    one the rules fall back to their defaults, and say so."""
+    from prunewatch.collector.operating_range import RangeOutcome, evaluation_probes, load_or_measure
+    from prunewatch.engine.settings import EngineSettings
+
+    prompts = evaluation_probes(probe_set.domains)
+    default = float(EngineSettings.model_fields["sensitivity"].default)
+    if settings.operating_range:
+        console.print(f"operating range of {engine.name}: cached, or measured now on {len(prompts.probes)} evaluation "
+                      f"prompts, dense and at sensitivity {default:g} (once per model: two probe rounds and their "
+                      "reference scores)")
+    try:
+        with console.status(f"operating range: {len(prompts.probes)} evaluation prompts, dense and at sensitivity "
+                            f"{default:g} (once per model)") as status:
+            return load_or_measure(
+                InProcessTarget(engine, name=settings.target_name, quality=False), reference, prompts,
+                directory=engine.calibration_path(calibration_digest).parent, model=engine.name,
+                fingerprint=engine.loaded.fingerprint, sensitivity=default, engine_settings=engine.settings,
+                device=f"{engine.loaded.device.type}: {InProcessTarget(engine).device_name or 'unnamed'}",
+                measure=settings.operating_range, progress=lambda message: status.update(message))
+    except Exception as exc:  # the run goes on with the rules' fallbacks
+        logger.exception("measuring the operating range of %s failed", engine.name)
+        return RangeOutcome(None, "none", f"measuring the operating range failed ({type(exc).__name__}: {exc}): the "
+                                          "alert rules use their fallbacks for this model")
 
 
 def _close_interrupted_rounds(db: Engine, target: str, before: datetime) -> int:
@@ -92,6 +121,9 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         calibration_set = load_calibration_set()  # never the probes quality is read on
         with console.status("calibrating"):
             calibration, cached = engine.load_or_calibrate(calibration_set.calibration_texts(), calibration_set.digest)
+        # The engine does not check its own answers: the job's reference, the same weights run dense, scores what
+        # was served (reference-scored agreement, NLL, divergence from the reference's own answer, cached per probe).
+        reference = EngineReference(engine)
         alerting = _embedded_alerting(settings, db) if settings.alerts else None  # after the model: its warnings
         create_schema(db)  # the first write: creates a SQLite file
         aborted = _close_interrupted_rounds(db, settings.target_name, started_at)
@@ -105,14 +137,26 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         console.print(f"closed {aborted} round(s) of {settings.target_name} left open by an earlier run as aborted")
     console.print(f"model {engine.name} on {engine.loaded.device.type} ({engine.num_layers} layers); calibration "
                   f"{'loaded from cache' if cached else 'measured'} for domains {sorted(calibration.domains)}")
+    try:
+        operating = _operating_range(settings, engine, reference, probe_set, calibration_set.digest, console)
+    except BaseException:  # Ctrl-C while measuring: nothing half-done stays open
+        if server is not None:
+            server.shutdown()
+        db.dispose()
+        raise
+    thresholds = operating.range.thresholds() if operating.range is not None else []
+    metrics.set_thresholds(thresholds)
+    if alerting is not None:
+        alerting.set_thresholds(thresholds)
+    console.print(f"alert thresholds: {operating.detail}"
+                  + (f" ({len(thresholds)} thresholds; `prunewatch alerts thresholds` shows them)" if thresholds else ""))
+    if settings.baseline_every:
+        console.print(f"dense baseline every {settings.baseline_every} round(s), the first included")
     if server is not None:
         console.print(f"metrics on http://{settings.metrics_host}:{settings.metrics_port}/metrics")
 
     sql = SqlExporter(db)
-    # The engine does not check its own answers: the job's reference, the same weights run dense, scores what was
-    # served (reference-scored agreement, NLL, divergence from the reference's own answer, cached per probe).
     target = InProcessTarget(engine, name=settings.target_name, sensitivity=settings.sensitivity, quality=False)
-    reference = EngineReference(engine)
     governing = None
     if governor is not None:  # each domain's probes run at the governed sensitivity, decisions stored in `db`
         governing = Governor({settings.target_name: governor})
@@ -132,7 +176,7 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         if alerting is not None:
             alerting.after_round(utcnow())  # never raises; transitions and deliveries are logged
 
-    job = TargetJob(target, probe_set, settings.interval_s, baseline_every=settings.baseline_every,
+    job = TargetJob(target, probe_set, settings.interval_s, baseline_every=settings.baseline_every or None,
                     reference=reference)
     scheduler = ProbeScheduler([target], probe_set, [sql, metrics, LogExporter()], interval_s=settings.interval_s,
                                rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round,

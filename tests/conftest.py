@@ -74,8 +74,9 @@ def collected_sqlite(tmp_path_factory, probe_model_dir: Path, calibration_dir: P
 
     path = tmp_path_factory.mktemp("store") / "collected.db"
     url = f"sqlite:///{path}"
+    # No operating range: measuring one runs the evaluation prompts twice, which the stored rounds do not need.
     outcome = run_embedded(CollectorSettings(db_url=url, rounds=2, interval_s=1.0, metrics_port=0,
-                                             model_dir=probe_model_dir, device="cpu"),
+                                             model_dir=probe_model_dir, device="cpu", operating_range=False),
                            calibration_dir=calibration_dir)
     assert outcome.rounds == 2 and outcome.failures == 0
     return url

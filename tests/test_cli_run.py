@@ -27,6 +27,7 @@ def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedP
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1200)  # a fresh calibration and operating range on a shared 2-core host
 def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_dir):
     db = tmp_path / "run.db"
     port = free_port()
@@ -36,7 +37,7 @@ def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_di
          "--metrics-port", str(port), "--model", str(probe_model_dir), "--device", "cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     scraped = ""
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 1100  # calibration and the operating range (42 evaluation probes) come first
     while process.poll() is None and time.monotonic() < deadline:
         try:
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
@@ -45,30 +46,43 @@ def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_di
         except OSError:
             pass
         time.sleep(0.3)
-    out, err = process.communicate(timeout=240)
+    out, err = process.communicate(timeout=1100)
     assert process.returncode == 0, err[-2000:]
-    assert "done: 2 round(s), 12 probe result(s), 0 failed" in out
+    # Dense baselines by default: every 10th round, the first included, so round 1 runs each probe twice.
+    assert "done: 2 round(s), 18 probe result(s), 0 failed" in out
+    assert "dense baseline every 10 round(s)" in out
     for name in ("prunewatch_pruning_ratio{", "prunewatch_inference_latency_seconds_bucket{",
-                 "prunewatch_tokens_per_second{", "prunewatch_probe_failures_total"):
+                 "prunewatch_tokens_per_second{", "prunewatch_probe_failures_total",
+                 "prunewatch_time_per_output_token_seconds{", "prunewatch_dense_time_per_output_token_seconds{",
+                 'prunewatch_alert_threshold{kind="ratio_low",model="probe-llama",source="calibration"}'):
         assert name in scraped, f"{name} was not served on /metrics while the job ran"
 
     with sqlite3.connect(db) as connection:
         rows = connection.execute(
             "SELECT round_id, probe_id, status, pruning_ratio, preprocessing_ms, inference_ms, postprocessing_ms, "
-            "tokens_per_s, ttft_ms, continuation_agreement FROM probe_results").fetchall()
+            "tokens_per_s, ttft_ms, reference_agreement, baseline FROM probe_results").fetchall()
         rounds = connection.execute("SELECT COUNT(*) FROM collector_rounds WHERE finished_at IS NOT NULL").fetchone()
     assert rounds == (2,)
-    assert len(rows) == 12
+    assert len(rows) == 18
     per_round: dict[str, set[str]] = {}
-    for round_id, probe_id, status, ratio, pre, inference, post, tps, ttft, agreement in rows:
+    for round_id, probe_id, status, ratio, pre, inference, post, tps, ttft, agreement, baseline in rows:
         assert status == "ok"
-        assert 0.0 < ratio < 1.0
         assert pre > 0 and inference > 0 and post > 0 and tps > 0 and ttft > 0
+        if baseline:
+            assert ratio == 0.0 and agreement is None  # dense, and not scored against itself
+            continue
+        assert 0.0 < ratio < 1.0
         assert 0.0 <= agreement <= 1.0
         per_round.setdefault(round_id, set()).add(probe_id)
     assert len(per_round) == 2 and all(len(ids) == 6 for ids in per_round.values())
-    # The calibration was measured once and cached for the next start.
-    assert list((tmp_path / ".cache" / "prunewatch" / "calibration").glob("probe-llama-*.json"))
+    assert sum(1 for row in rows if row[-1]) == 6
+    # The calibration and the operating range were measured once and cached for the next start.
+    cache = tmp_path / ".cache" / "prunewatch" / "calibration"
+    assert list(cache.glob("probe-llama-*.json"))
+    (range_file,) = cache.glob("probe-llama-*.operating-range.json")
+    measured = json.loads(range_file.read_text())
+    assert measured["source"] == "calibration" and measured["prompts"] == 21  # legal, tech, finance: 7 each
+    assert {t["kind"] for t in measured["thresholds"]} >= {"ratio_low", "quality_floor", "tpot_vs_dense_max"}
 
 
 def _assert_one_line_error(result: subprocess.CompletedProcess, needle: str) -> None:

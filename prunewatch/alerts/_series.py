@@ -9,6 +9,10 @@ The quality governor's two families (prunewatch/records/governor_metrics.py) com
 the same way: the setting gauge takes each decision's new setting, the clamp counter increments at
 each decision that lowered it (and exists, at 0, from the key's first decision, as `track` makes it).
 
+A watched model's measured alert thresholds (`prunewatch_alert_threshold`, records/operating_range.py) come
+from its operating-range file, not from results: they are constant series, present at every instant, as the
+collector exports them for as long as it runs.
+
 What Prometheus would add on top (scrape timestamps, job/instance labels, counter resets) does
 not exist here; a metric that is derived from neither (the collector's buffer depth, the engine
 server's own metrics) is unknown to this source and reported as such.
@@ -24,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from prunewatch.records.governor_metrics import GOVERNOR_CLAMPS, GOVERNOR_LABELS, GOVERNOR_SETTING
 from prunewatch.records.metrics import (
+    ALERT_THRESHOLD,
     QUALITY_AGREEMENT,
     QUALITY_PROMPTS,
     RESULT_FAMILIES,
@@ -31,6 +36,7 @@ from prunewatch.records.metrics import (
     ResultFamily,
     window_samples,
 )
+from prunewatch.records.operating_range import Threshold
 from prunewatch.records.quality_window import QualityWindows
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store.governor import GovernorDecision
@@ -67,6 +73,25 @@ class GaugeSeries:
         lo = bisect.bisect_left(self.times, start)
         hi = bisect.bisect_right(self.times, end)
         return self.values[lo:hi]
+
+
+@dataclass
+class ConstantSeries(GaugeSeries):
+    """A gauge that holds one value at every instant (a threshold the collector keeps exporting)."""
+
+    constant: float = 0.0
+
+    def last_in(self, start: float, end: float) -> float | None:
+        return self.constant
+
+    def window(self, start: float, end: float) -> list[float]:
+        return [self.constant]
+
+
+def threshold_series(thresholds: Iterable[Threshold]) -> list[GaugeSeries]:
+    """`prunewatch_alert_threshold{model, kind, source}` of these thresholds, as the collector exports them."""
+    return [ConstantSeries(labels_of(**{NAME: ALERT_THRESHOLD}, model=t.model, kind=t.kind, source=t.source),
+                           constant=float(t.value)) for t in thresholds]
 
 
 @dataclass
@@ -120,18 +145,23 @@ def counter_names() -> set[str]:
 
 class StoreSeries:
     """Series of every metric family derivable from `results` and governor `decisions`, built once per
-    family on demand. Decisions are taken in the order given (the store's: oldest first)."""
+    family on demand, plus `extra` gauge series given as such (the thresholds' constant series). Decisions
+    are taken in the order given (the store's: oldest first)."""
 
-    def __init__(self, results: Iterable[ProbeResult], decisions: Iterable[GovernorDecision] = ()) -> None:
+    def __init__(self, results: Iterable[ProbeResult], decisions: Iterable[GovernorDecision] = (),
+                 extra: Iterable[GaugeSeries] = ()) -> None:
         self.results = sorted(results, key=lambda r: (r.created_at, r.result_id))
         self.decisions = list(decisions)
+        self.extra: dict[str, list[GaugeSeries]] = {}
+        for series in extra:
+            self.extra.setdefault(dict(series.labels)[NAME], []).append(series)
         self._gauges: dict[str, list[GaugeSeries]] = {}
         self._counters: dict[str, list[CounterSeries]] = {}
 
-    @staticmethod
-    def kind(metric: str) -> str | None:
+    def kind(self, metric: str) -> str | None:
         """"gauge", "counter" or None for a metric this source cannot produce."""
-        if metric in GAUGES or metric == GOVERNOR_SETTING or metric in WINDOW_GAUGES:
+        if metric in GAUGES or metric in WINDOW_GAUGES or metric in (GOVERNOR_SETTING, ALERT_THRESHOLD) \
+                or metric in self.extra:
             return "gauge"
         if metric in counter_names():
             return "counter"
@@ -176,6 +206,12 @@ class StoreSeries:
         return out
 
     def gauges(self, metric: str) -> list[GaugeSeries]:
+        return self._derived_gauges(metric) + self.extra.get(metric, [])
+
+    def _derived_gauges(self, metric: str) -> list[GaugeSeries]:
+        if metric == ALERT_THRESHOLD or (metric not in GAUGES and metric not in WINDOW_GAUGES
+                                         and metric != GOVERNOR_SETTING):
+            return []
         if metric in WINDOW_GAUGES:
             if metric not in self._gauges:
                 self._gauges.update(self._windows())

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,13 +28,14 @@ from sqlalchemy import Engine
 
 from prunewatch.alerts._engine import Engine as PromQLEngine
 from prunewatch.alerts._parser import parse
-from prunewatch.alerts._series import StoreSeries
+from prunewatch.alerts._series import GaugeSeries, StoreSeries, threshold_series
 from prunewatch.alerts.evaluator import AlertEvaluator, Evaluation, Transition
 from prunewatch.alerts.history import StoreHistory
 from prunewatch.alerts.inhibit import is_muted, load_inhibit_rules
 from prunewatch.alerts.ruleset import UnsupportedRule, load_rules
 from prunewatch.alerts.settings import AlertingSettings
 from prunewatch.alerts.slack import RetryPolicy, SlackWebhook, slack_payload
+from prunewatch.records.operating_range import Threshold
 
 logger = logging.getLogger("prunewatch.alerts")
 
@@ -74,8 +75,14 @@ class EmbeddedAlerting:
     """The embedded evaluator over one store, with its Slack outbox and persisted state."""
 
     def __init__(self, settings: AlertingSettings, store: Engine, *, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, thresholds: Iterable[Threshold] = (),
+                 extra_series: Iterable[GaugeSeries] = ()) -> None:
+        """`thresholds`: the watched models' measured alert thresholds (records/operating_range.py), evaluated as
+        the collector exports them; a model without them takes the rules' fallbacks. `extra_series`: other gauges
+        the store cannot give, as series (tests replaying promtool's inputs)."""
         self.settings = settings
+        self.thresholds: list[Threshold] = list(thresholds)
+        self._extra = list(extra_series)
         lookback_s = settings.lookback.total_seconds()
         rules = load_rules(settings.rules_path, lookback_s)
         for rule in rules.unsupported:
@@ -101,6 +108,14 @@ class EmbeddedAlerting:
         self.muted: set[str] = set()  # alert episodes whose firing an inhibit rule muted (so is their resolution)
         self._state_restored = False
 
+    def set_thresholds(self, thresholds: Iterable[Threshold]) -> None:
+        """Replace the measured thresholds the rules compare with (e.g. after a model's range was measured)."""
+        self.thresholds = list(thresholds)
+
+    def _series(self, at: datetime) -> StoreSeries:
+        return StoreSeries(self.history.results(at), self.history.decisions(at),
+                           extra=[*threshold_series(self.thresholds), *self._extra])
+
     @property
     def unsupported(self) -> list[UnsupportedRule]:
         """Alerting rules of the file this evaluator does not run, with the reason for each."""
@@ -120,7 +135,7 @@ class EmbeddedAlerting:
         if at.tzinfo is None:
             raise ValueError("evaluation time must be timezone-aware (UTC)")
         self._restore_once(at)
-        evaluation = self.evaluator.evaluate(at, StoreSeries(self.history.results(at), self.history.decisions(at)))
+        evaluation = self.evaluator.evaluate(at, self._series(at))
         firing = [dict(alert.labels) for alert in self.evaluator.alerts("firing")]
         for transition in evaluation.transitions:
             level = logging.WARNING if transition.kind == "firing" else logging.INFO
@@ -147,8 +162,8 @@ class EmbeddedAlerting:
         """
         if at.tzinfo is None:
             raise ValueError("evaluation time must be timezone-aware (UTC)")
-        engine = PromQLEngine(StoreSeries(self.history.results(at), self.history.decisions(at)), at.timestamp(),
-                              self.settings.lookback.total_seconds(), self.evaluator.rules.recorded)
+        engine = PromQLEngine(self._series(at), at.timestamp(), self.settings.lookback.total_seconds(),
+                              self.evaluator.rules.recorded)
         return [(dict(s.labels), s.value) for s in engine.vector(parse(expr))]
 
     def _queue(self, transition: Transition) -> None:

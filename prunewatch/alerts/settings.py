@@ -24,36 +24,54 @@ ALERTMANAGER_PATH = Path(__file__).resolve().parent / "alertmanager.yml"
 
 
 class RuleSettings(BaseSettings):
-    """Thresholds and hold times of the alert rules (environment: PRUNEWATCH_RULE_*)."""
+    """Fallback thresholds, hold times and optional SLOs of the alert rules (environment: PRUNEWATCH_RULE_*).
+
+    The ratio, quality and latency rules compare each model with its own measured thresholds
+    (`prunewatch_alert_threshold`, records/operating_range.py) `on(model)`; the threshold values here are the
+    documented fallbacks for a model that has none (the seeds' figures, which describe another system's model
+    and hardware), and those alerts say so."""
 
     model_config = SettingsConfigDict(env_prefix="PRUNEWATCH_RULE_", extra="ignore")
 
     ratio_low: float = Field(
         0.35, gt=0.0, lt=1.0,
-        description="24 h average pruning ratio below this means pruning saves little work (configured default, "
-                    "not measured here).")
-    thresholds_source: str | None = Field(
-        None, max_length=300,
-        description="Where the ratio thresholds come from when they were measured (`prunewatch tune` writes it); "
-                    "None: configured defaults, and the annotations say so.")
+        description="Fallback of PruningRatioLow for a model without a measured ratio_low: a 24 h average pruning "
+                    "ratio below it (the seeds' figure, not measured here).")
     ratio_low_for: PromDuration = Field(
         timedelta(hours=2), description="How long the 24 h average must stay low before PruningRatioLow fires.")
     quality_red_line: float = Field(
         0.44, gt=0.0, lt=1.0,
-        description="Operational red line: above it PruningRatioQualityRisk fires as a warning (configured "
-                    "default, not measured here).")
+        description="Fallback red line: above it PruningRatioQualityRisk fires as a warning (the seeds' figure, not "
+                    "measured here).")
     quality_risk_ratio: float = Field(
         0.45, gt=0.0, le=1.0,
-        description="Ratio above which PruningRatioQualityRisk fires as critical (configured default, not "
-                    "measured here; token agreement is the measured quality figure).")
+        description="Fallback ratio above which PruningRatioQualityRisk fires as critical (the seeds' figure, not "
+                    "measured here; the reference-scored agreement is the measured quality figure).")
     quality_risk_for: PromDuration = Field(
         timedelta(minutes=15), description="How long the ratio must stay above a quality line before it fires.")
     agreement_floor: float = Field(
         0.80, gt=0.0, le=1.0,
-        description="1 h average token agreement with the dense model below this fires QualityAgreementLow.")
+        description="Fallback floor of QualityAgreementLow: it fires when the upper bound of the 95% interval of the "
+                    "windowed reference-scored agreement is below it (a configured default, not measured here).")
     agreement_for: PromDuration = Field(timedelta(minutes=30), description="Hold time of QualityAgreementLow.")
-    latency_slo_s: float = Field(
-        1.3, gt=0.0, le=600.0, description="p99 inference latency SLO in seconds (seeds: 1.3 s).")
+    latency_vs_dense_max: float = Field(
+        1.5, ge=1.0, le=100.0,
+        description="Fallback of the latency rules: pruned / dense time per output token (DecodeSlowerThanDense) or "
+                    "time to first token per prompt token (FirstTokenSlowerThanDense) above it, over the last hour "
+                    "against the target's own dense baseline runs (a configured default: dense plus 50%).")
+    latency_vs_dense_for: PromDuration = Field(
+        timedelta(minutes=15), description="Hold time of DecodeSlowerThanDense and FirstTokenSlowerThanDense.")
+    latency_per_token_slo_s: float | None = Field(
+        None, gt=0.0, le=60.0,
+        description="Optional SLO on the time per output token in seconds (15 min average): renders "
+                    "LatencyPerTokenSLOBreached. None: no such rule.")
+    latency_per_token_slo_for: PromDuration = Field(
+        timedelta(minutes=10), description="Hold time of LatencyPerTokenSLOBreached.")
+    latency_slo_s: float | None = Field(
+        None, gt=0.0, le=600.0,
+        description="Optional SLO on the p99 inference latency per request in seconds (the seeds used 1.3 s): "
+                    "renders LatencySLOBreached. Off by default: a time per request moves with answer length and "
+                    "says nothing about the model being watched.")
     latency_slo_for: PromDuration = Field(timedelta(minutes=10), description="Hold time of LatencySLOBreached.")
     failure_rate_max: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of failed probe results over 15m above which ProbeFailing fires.")
@@ -82,8 +100,8 @@ class RuleSettings(BaseSettings):
         a, b, c = self.ratio_buckets
         if not 0.0 < a < b < c < 1.0:
             raise ValueError(f"ratio_buckets must be increasing inside (0, 1) (got {self.ratio_buckets})")
-        for name in ("ratio_low_for", "quality_risk_for", "agreement_for", "latency_slo_for", "probe_failing_for",
-                     "buffer_backlog_for"):
+        for name in ("ratio_low_for", "quality_risk_for", "agreement_for", "latency_vs_dense_for",
+                     "latency_per_token_slo_for", "latency_slo_for", "probe_failing_for", "buffer_backlog_for"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must not be negative")
         if self.absent_for <= timedelta(0):

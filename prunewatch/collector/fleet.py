@@ -67,6 +67,10 @@ class FleetSettings(BaseSettings):
     pushgateway_job: str = Field("prunewatch_collector", min_length=1, description="Pushgateway job label.")
     probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Canonical probes YAML.")
     calibration_dir: Path | None = Field(None, description="Calibration cache of in-process engines.")
+    operating_range_dir: Path | None = Field(
+        None, description="Folder of measured operating ranges (*.operating-range.json, written by `prunewatch run` "
+                          "and `prunewatch tune`) whose alert thresholds the collector exports for the models it "
+                          "probes (default: the calibration dir, else ~/.cache/prunewatch/calibration).")
 
     @field_validator("db_url")
     @classmethod
@@ -182,12 +186,32 @@ def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir:
     return jobs
 
 
+def export_thresholds(metrics: CollectorMetrics, settings: FleetSettings, jobs: Sequence[TargetJob]) -> list[str]:
+    """Export the measured alert thresholds of the probed models that have an operating range; the models
+    without one are alerted on the rule file's fallbacks. Returns the models with thresholds."""
+    from prunewatch.engine.paths import calibration_cache
+    from prunewatch.records.operating_range import load_ranges, thresholds_of
+
+    folder = settings.operating_range_dir or settings.calibration_dir or calibration_cache()
+    models = sorted({job.target.model for job in jobs if getattr(job.target, "model", None)})
+    ranges = load_ranges(folder, models)
+    metrics.set_thresholds(thresholds_of(ranges.values()))
+    for model in models:
+        if model in ranges:
+            logger.info("alert thresholds of %s: measured (%s, %s)", model, ranges[model].source,
+                        ranges[model].measured_at)
+        else:
+            logger.warning("no operating range of %s in %s: its alerts use the rule file's fallbacks", model, folder)
+    return sorted(ranges)
+
+
 def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
                   on_round: Callable[[RoundSummary], None] | None = None,
                   stop: threading.Event | None = None, metrics: CollectorMetrics | None = None) -> FleetOutcome:
     """Probe every job's target on its schedule until the requested rounds are done or `stop` is set."""
     db = connect(settings.db_url, check=False)  # a bad URL fails here, before any file is written
     metrics = metrics or CollectorMetrics()
+    export_thresholds(metrics, settings, jobs)
     server = None
     if settings.metrics_port:  # a taken port fails before the buffer, a migration or the store thread
         server, _thread = start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)

@@ -16,6 +16,11 @@ INTERVAL_ENV = f"{ENV_PREFIX}INTERVAL_S"
 """The one environment variable of the probe interval: `run`, `collect` and `stack up` read it."""
 
 
+BASELINE_EVERY = 10
+"""Dense baselines every 10th round by default (the first included): at the 30 s interval a dense run of every
+probe each 5 minutes, so the latency rules' hour always holds several, for about a tenth more probe time."""
+
+
 class CollectorSettings(BaseSettings):
     """How the embedded collector runs: what it probes, how often, where results go."""
 
@@ -34,10 +39,15 @@ class CollectorSettings(BaseSettings):
         description="Activation-sparsity target at sensitivity 1; None keeps the engine's default, 0 turns it off.")
     probes_path: Path = Field(DEFAULT_PROBES_PATH, description="Canonical probes YAML.")
     target_name: str = Field("embedded", min_length=1, max_length=128, description="Label of the target.")
-    baseline_every: int | None = Field(
-        None, ge=1, le=100_000,
+    baseline_every: int = Field(
+        BASELINE_EVERY, ge=0, le=100_000,
         description="Every N rounds (the first included) also run each probe dense (sensitivity 0), stored as a "
-                    "baseline: the measured 'before' of the ROI report. None: never.")
+                    "baseline: the measured 'before' of the ROI report and the dense side of the latency rules. "
+                    "0: never.")
+    operating_range: bool = Field(
+        True,
+        description="Measure the model's operating range (its alert thresholds) on the evaluation prompts when none "
+                    "is cached for its weights (once per model, at the engine's default configuration).")
     alerts: bool = Field(True, description="Evaluate prunewatch/alerts/rules.yml over the store after each round (no Prometheus).")
     misfire_grace_s: float = Field(
         60.0, ge=1.0, description="A round that starts this late is still run (then coalesced)."

@@ -78,23 +78,61 @@ def check_command(
     except RuleFileError as exc:
         raise fail(str(exc))
     table = Table(title=f"{rules}: alert rules without Prometheus")
-    for column in ("rule", "severity", "for", "embedded evaluator"):
+    for column in ("rule", "severity", "threshold", "for", "embedded evaluator"):
         table.add_column(column)
     for rule in rule_file.alerting:
-        table.add_row(rule.name, dict(rule.labels).get("severity", ""), f"{rule.hold_s:g}s", "evaluated")
+        labels = dict(rule.labels)
+        threshold = ("fallback" if labels.get("source") == "fallback" else
+                     "measured, on(model)" if "prunewatch_alert_threshold" in rule.expr else "configured")
+        table.add_row(rule.name, labels.get("severity", ""), threshold, f"{rule.hold_s:g}s", "evaluated")
     for rule in rule_file.unsupported:
-        table.add_row(rule.name, "", "", f"Prometheus only: {rule.reason}")
+        table.add_row(rule.name, "", "", "", f"Prometheus only: {rule.reason}")
     Console(width=160).print(table)
     typer.echo(f"{len(rule_file.alerting)} evaluated, {len(rule_file.unsupported)} Prometheus only, "
                f"{len(inhibit)} inhibit rules from {alertmanager}")
+
+
+RANGES_HELP = ("Folder of the models' measured operating ranges (*.operating-range.json; default: the calibration "
+               "cache, ~/.cache/prunewatch/calibration, where `prunewatch run` and `prunewatch tune --model` write them).")
+
+
+def _range_dir(ranges: Path | None) -> Path:
+    from prunewatch.engine.paths import calibration_cache  # a path only: the engine is not loaded
+
+    return ranges if ranges is not None else calibration_cache()
+
+
+def thresholds_command(
+    ranges: Path = typer.Option(None, "--ranges", help=RANGES_HELP),
+    model: str = typer.Option(None, "--model", help="Only this model (the `model` label its results carry)."),
+) -> None:
+    """Show each model's measured alert thresholds and how each was obtained (what `prunewatch_alert_threshold`
+    exports); a model not listed is alerted on the rule file's fallbacks."""
+    from prunewatch.records.operating_range import load_ranges
+
+    folder = _range_dir(ranges)
+    found = load_ranges(folder, None if model is None else [model])
+    if not found:
+        typer.echo(f"no measured operating range in {folder}"
+                   + (f" for model {model}" if model else "") + ": the rules use their fallbacks (PRUNEWATCH_RULE_*)")
+        return
+    table = Table(title=f"measured alert thresholds ({folder})")
+    for column in ("model", "kind", "value", "source", "how it was obtained"):
+        table.add_column(column, overflow="fold")
+    for name in sorted(found):
+        for t in found[name].thresholds():
+            table.add_row(t.model, t.kind, f"{t.value:.4g}", t.source, t.evidence)
+    Console(width=200).print(table)
 
 
 def eval_command(
     db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store."),
     rules: Path = typer.Option(RULES_PATH, "--rules", help="Rule file to evaluate."),
     at: str = typer.Option(None, "--at", help="Evaluation time, ISO 8601 (default: now, UTC)."),
+    ranges: Path = typer.Option(None, "--ranges", help=RANGES_HELP),
 ) -> None:
-    """Evaluate every rule once over the store and show the alerts whose condition holds (nothing is posted)."""
+    """Evaluate every rule once over the store, with each model's measured thresholds, and show the alerts whose
+    condition holds with their annotations (nothing is posted)."""
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -117,7 +155,10 @@ def eval_command(
         if not inspect(engine).has_table("probe_results"):
             raise fail(f"store {safe_url(db)} has no probe results table; run the collector (`prunewatch run` or "
                        "`prunewatch collect`) or `prunewatch db upgrade` first")
-        alerting = EmbeddedAlerting(AlertingSettings(rules_path=rules, state_path=None), engine)
+        from prunewatch.records.operating_range import load_ranges, thresholds_of
+
+        thresholds = thresholds_of(load_ranges(_range_dir(ranges)).values())
+        alerting = EmbeddedAlerting(AlertingSettings(rules_path=rules, state_path=None), engine, thresholds=thresholds)
         evaluation = alerting.evaluate(when)
     except RuleFileError as exc:
         raise fail(str(exc))
@@ -126,13 +167,22 @@ def eval_command(
     finally:
         engine.dispose()
     typer.echo(f"store {safe_url(db)}")
+    models = sorted({t.model for t in thresholds})
+    typer.echo(f"measured thresholds: {', '.join(models) if models else 'none'} (from {_range_dir(ranges)}); other "
+               "models are alerted on the rule file's fallbacks")
     table = Table(title=f"alerts at {when.isoformat()} (one evaluation: holds longer than 0s show as pending)")
     for column in ("rule", "labels", "value (from the rule's expression)", "state"):
         table.add_column(column)
-    for alert in alerting.evaluator.alerts():
+    active = alerting.evaluator.alerts()
+    for alert in active:
         labels = ", ".join(f"{k}={v}" for k, v in alert.labels if k != "alertname")
         table.add_row(alert.rule, labels, f"{alert.value:.4g}", alert.state)
     Console(width=160).print(table)
+    if not active:
+        typer.echo("no alert holds")
+    for alert in active:  # the annotation as Slack would get it, with the threshold and how it was obtained
+        labels = ", ".join(f"{k}={v}" for k, v in alert.labels if k not in ("alertname", "severity"))
+        typer.echo(f"{alert.rule} ({labels}): {alert.annotations.get('description', '')}")
     for error in evaluation.errors:
         typer.echo(f"rule {error.rule} failed: {error.message}", err=True)
     for rule in alerting.unsupported:

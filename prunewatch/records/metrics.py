@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from prunewatch.records.operating_range import Threshold
 from prunewatch.records.quality_window import AnswerWindow, QualityWindows
 from prunewatch.records.results import FAILURE_REASONS, ProbeResult
 
@@ -49,6 +50,19 @@ LABEL_VALUES: dict[str, Callable[[ProbeResult], str]] = {
 
 def _seconds(milliseconds: float | None) -> float | None:
     return None if milliseconds is None else milliseconds / 1000.0
+
+
+def time_per_output_token_s(r: ProbeResult) -> float | None:
+    """Decode seconds per token after the first: the engine's figure, else the collector's (HTTP, network
+    included); None when the answer had one token or none."""
+    rate = r.decode_tokens_per_s or r.client_decode_tokens_per_s
+    return 1.0 / rate if rate else None
+
+
+def ttft_per_prompt_token_s(r: ProbeResult) -> float | None:
+    """Time to first token over prompt tokens: the engine's figure, else the collector's (HTTP)."""
+    ttft = r.ttft_ms if r.ttft_ms is not None else r.client_ttft_ms
+    return ttft / 1000.0 / r.prompt_tokens if ttft is not None and r.prompt_tokens else None
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,20 @@ RESULT_FAMILIES: tuple[ResultFamily, ...] = (
                  "Time to first token of a dense baseline run, timed by the collector (network included).",
                  _DOMAIN, lambda r: _seconds(r.client_ttft_ms), CLIENT_TTFT_BUCKETS, per_probe=True,
                  runs="baseline"),
+    # Per token, so a comparison with dense does not depend on how long an answer was (the latency rules).
+    ResultFamily("prunewatch_time_per_output_token_seconds", "gauge",
+                 "Decode seconds per output token after the first (engine-measured; the collector's stream timing "
+                 "for targets that report none), last probe.",
+                 _PROBE, time_per_output_token_s, per_probe=True),
+    ResultFamily("prunewatch_dense_time_per_output_token_seconds", "gauge",
+                 "The same for the dense baseline run (sensitivity 0) of the probe on the same target.",
+                 _PROBE, time_per_output_token_s, per_probe=True, runs="baseline"),
+    ResultFamily("prunewatch_time_to_first_token_per_prompt_token_seconds", "gauge",
+                 "Time to first token over the prompt's tokens (engine-measured, else the collector's), last probe.",
+                 _PROBE, ttft_per_prompt_token_s, per_probe=True),
+    ResultFamily("prunewatch_dense_time_to_first_token_per_prompt_token_seconds", "gauge",
+                 "The same for the dense baseline run of the probe on the same target.",
+                 _PROBE, ttft_per_prompt_token_s, per_probe=True, runs="baseline"),
 )
 """Every family a probe result feeds, in one table (names checked when CollectorMetrics is built)."""
 
@@ -164,6 +192,12 @@ QUALITY_WINDOW_FAMILIES = {
 }
 """Gauges derived from a window of results rather than from one (set by CollectorMetrics, replayed by the
 embedded evaluator the same way)."""
+
+ALERT_THRESHOLD = "prunewatch_alert_threshold"
+ALERT_THRESHOLD_LABELS = ("model", "kind", "source")
+"""A watched model's alert thresholds, measured for it (records/operating_range.py): kind = ratio_low,
+ratio_red_line, ratio_risk, quality_floor, tpot_vs_dense_max, ttft_vs_dense_max; source = calibration or tune.
+The rules compare with them `on(model)`; a model without them falls back to the rule file's defaults."""
 
 
 def window_samples(window: AnswerWindow) -> dict[str, dict[str, float]]:
@@ -193,6 +227,9 @@ class CollectorMetrics:
         self.window_gauges[QUALITY_PROMPTS] = Gauge(
             check_metric_name(QUALITY_PROMPTS), "Prompts behind prunewatch_reference_agreement_window.",
             ["model", "domain", "target"], registry=self.registry)
+        self.thresholds = Gauge(check_metric_name(ALERT_THRESHOLD),
+                                "Alert threshold measured for a model (kind), with how it was obtained (source).",
+                                list(ALERT_THRESHOLD_LABELS), registry=self.registry)
         self._preset: set[tuple[str, tuple[str, ...]]] = set()  # (family, label values) whose reasons exist
         self.buffer_depth: Gauge | None = None
         self.buffer_dropped: Counter | None = None
@@ -217,6 +254,12 @@ class CollectorMetrics:
             check_metric_name("prunewatch_collector_store_write_errors"),
             "Failed attempts to write buffered records to the store (each is retried with backoff).",
             ["kind"], registry=r)
+
+    def set_thresholds(self, thresholds: Iterable[Threshold]) -> None:
+        """Export these models' measured alert thresholds (the series of other models stay as they are)."""
+        for t in thresholds:
+            self.thresholds.labels(t.model, t.kind, t.source).set(t.value)
+        self.changed()
 
     def count_store_error(self, kind: str) -> None:
         if self.store_write_errors is not None:

@@ -39,13 +39,66 @@ PROMQL_REQUEST_P99_5M = (
 )
 
 
-# -- alerting ---------------------------------------------------------------------------------
-PROMQL_AGREEMENT_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_continuation_agreement)"
-"""Token agreement with the dense model, last probe of each probe id, averaged per target, model and domain."""
+# -- quality of what was served (records/metrics.py: window gauges, per-probe reference agreement) ------
+# The primary quality figure: reference-scored agreement of the served answers, pooled over the prompts a
+# target answered at its current sensitivity in its last rounds, with a 95% interval bootstrapped over prompts.
+def promql_quality_window(bound: str) -> str:
+    """One bound (estimate, low, high) of the windowed reference-scored agreement per target, model and domain."""
+    return f'max by (target, model, domain) (prunewatch_reference_agreement_window{{bound="{bound}"}})'
 
-PROMQL_AGREEMENT_AVG_1H = "avg by (target, model, domain) (avg_over_time(prunewatch_continuation_agreement[1h]))"
-"""One hour of token agreement per target, model and domain: one probe's bad answer does not page anyone."""
 
+PROMQL_QUALITY_ESTIMATE = promql_quality_window("estimate")
+PROMQL_QUALITY_LOW = promql_quality_window("low")
+PROMQL_QUALITY_HIGH = promql_quality_window("high")
+"""The interval's upper bound: below a floor, the breach is beyond sampling noise (QualityAgreementLow)."""
+PROMQL_QUALITY_PROMPTS = "max by (target, model, domain) (prunewatch_reference_agreement_prompts)"
+PROMQL_PASS_RATE = 'max by (target, model, domain) (prunewatch_task_pass_rate_window{bound="estimate"})'
+PROMQL_REFERENCE_AGREEMENT_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_reference_agreement)"
+"""Reference-scored agreement of each probe's last served answer, averaged per target, model and domain."""
+PROMQL_REFERENCE_AGREEMENT_AVG_1H = (
+    "avg by (target, model, domain) (avg_over_time(prunewatch_reference_agreement[1h]))")
+"""One hour of per-probe reference-scored agreement per target, model and domain (no interval: a trend line)."""
+
+
+# -- latency per token against the dense baseline of the same target -----------------------------------
+# Per token, so the figure does not move with answer length; against dense runs of the same prompts on the same
+# target (the collector's baselines, every N-th round), so it does not move with the machine. Both sides over
+# the same hour, so a load that slows the host slows both.
+LATENCY_WINDOW = "1h"
+
+
+def _pruned_over_dense(pruned: str, dense: str, window: str = LATENCY_WINDOW) -> str:
+    return (f"avg by (target, model, domain) (avg_over_time({pruned}[{window}]))"
+            f" / avg by (target, model, domain) (avg_over_time({dense}[{window}]))")
+
+
+PROMQL_TPOT_VS_DENSE = _pruned_over_dense("prunewatch_time_per_output_token_seconds",
+                                          "prunewatch_dense_time_per_output_token_seconds")
+"""Pruned / dense time per output token (decode) over the last hour: above 1, pruning made decoding slower."""
+PROMQL_TTFT_VS_DENSE = _pruned_over_dense("prunewatch_time_to_first_token_per_prompt_token_seconds",
+                                          "prunewatch_dense_time_to_first_token_per_prompt_token_seconds")
+"""Pruned / dense time to first token per prompt token over the last hour."""
+PROMQL_TPOT_15M = "avg by (target, model, domain) (avg_over_time(prunewatch_time_per_output_token_seconds[15m]))"
+"""Pruned time per output token, 15 minutes: what a configured per-token SLO reads."""
+
+
+def promql_threshold(kind: str) -> str:
+    """A watched model's measured threshold of `kind`, one series per model (scrape labels dropped), carrying
+    how it was obtained in `source`: the right-hand side of `on(model) group_left(source)`."""
+    return f'max by (model, source) (prunewatch_alert_threshold{{kind="{kind}"}})'
+
+
+def promql_has_threshold(kind: str) -> str:
+    """The models that have a measured threshold of `kind`: `unless on(model)` this for the fallback rules."""
+    return f'prunewatch_alert_threshold{{kind="{kind}"}}'
+
+
+def promql_threshold_value(kind: str) -> str:
+    """A template query (Go printf format, one %s for the model) for the threshold of `kind` of one model."""
+    return f"prunewatch_alert_threshold{{model='%s',kind='{kind}'}}"
+
+
+# -- the collector ------------------------------------------------------------------------------
 PROMQL_BUFFER_DEPTH = "prunewatch_collector_buffer_depth"
 """Results the collector holds on disk because the database did not take them yet (gauge)."""
 

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from prunewatch.records.operating_range import OperatingRange, PhaseTimes
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store import ResultRepository, connect, create_schema
 from tests.alerts.slack_receiver import SlackReceiver
@@ -26,6 +27,19 @@ def result(at: datetime, domain: str, probe: str, *, ratio: float | None = 0.3, 
                        domain=domain, status=status, round_id="r" * 32, created_at=at,
                        pruning_ratio=ratio if ok else None, continuation_agreement=agreement if ok else None,
                        inference_ms=inference_ms if ok else None, failure_reason=None if ok else reason)
+
+
+def measured_range(model: str = "probe-llama", *, ratio: float = 0.12, ratio_max: float = 0.15,
+                   agreement: tuple[float, ...] = (0.9, 0.95, 1.0), tpot: tuple[float, float] = (0.05, 0.045),
+                   source: str = "calibration") -> OperatingRange:
+    """An operating range as `prunewatch run` measures it (dense and default over evaluation prompts)."""
+    return OperatingRange(
+        model=model, model_fingerprint="f" * 64, source=source, measured_at="2026-03-01T08:00:00+00:00",
+        probe_set="evaluation prompts (evaluation.yaml, domains finance, legal, tech)", probe_set_digest="0" * 64,
+        prompts=len(agreement), sensitivity=0.5, engine={}, device="cpu: test", ratio=ratio, ratio_max=ratio_max,
+        agreement={"estimate": sum(agreement) / len(agreement), "low": min(agreement), "high": max(agreement),
+                   "prompts": len(agreement), "tokens": 64 * len(agreement)},
+        agreement_per_prompt=sorted(agreement), dense=PhaseTimes(tpot[0], 0.002), default=PhaseTimes(tpot[1], 0.002))
 
 
 def store_results(engine: Engine, results: list[ProbeResult]) -> None:

@@ -19,14 +19,36 @@ from typing import Any
 
 import yaml
 
-from prunewatch.alerts._series import GOVERNOR_CLAMPS_TOTAL
+from prunewatch.alerts._series import GOVERNOR_CLAMPS_TOTAL, GaugeSeries
 from prunewatch.alerts.durations import parse_duration
 from prunewatch.records.metrics import LATENCY_BUCKETS
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store.governor import GovernorDecision
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # promtool evaluates from Unix time 0
-GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_continuation_agreement": "continuation_agreement"}
+PROMPT_TOKENS = 100  # the prompt length of a converted result: a time to first token per prompt token needs one
+GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_continuation_agreement": "continuation_agreement",
+                "prunewatch_reference_agreement": "reference_agreement",
+                "prunewatch_time_per_output_token_seconds": "decode_tokens_per_s",
+                "prunewatch_time_to_first_token_per_prompt_token_seconds": "ttft_ms"}
+DENSE_FIELDS = {"prunewatch_dense_time_per_output_token_seconds": "decode_tokens_per_s",
+                "prunewatch_dense_time_to_first_token_per_prompt_token_seconds": "ttft_ms"}
+"""Gauges of pruned results and of dense baseline results: one result per probe and instant carries each."""
+SERIES_GIVEN = frozenset({"prunewatch_alert_threshold", "prunewatch_reference_agreement_window",
+                          "prunewatch_reference_agreement_prompts", "prunewatch_task_pass_rate_window"})
+"""Gauges the store does not derive from one result each: the measured thresholds (constant series read from a
+model's operating range) and the quality windows (derived from many results; their replay from stored results is
+tested against the collector's own in test_alert_series.py). They reach the evaluator as series."""
+
+
+def field_value(metric: str, value: float) -> float:
+    """The ProbeResult field value that makes `metric` show `value`."""
+    name = GAUGE_FIELDS.get(metric) or DENSE_FIELDS[metric]
+    if name == "decode_tokens_per_s":
+        return 1.0 / value
+    if name == "ttft_ms":
+        return value * PROMPT_TOKENS * 1000.0
+    return value
 BUCKET_METRIC = "prunewatch_inference_latency_seconds_bucket"
 RESULTS = "prunewatch_probe_results_total"
 FAILURES = "prunewatch_probe_failures_total"
@@ -133,6 +155,7 @@ def results_for(case: dict[str, Any]) -> list[ProbeResult]:
     # Keyed by (sample index, model, domain, target): a series without a target label is a result of target ""
     # (an engine's own live traffic), which the store's series show without one, as Prometheus does.
     gauges: dict[tuple[int, str, str, str], dict[str, dict[str, float]]] = defaultdict(dict)
+    dense: dict[tuple[int, str, str, str], dict[str, dict[str, float]]] = defaultdict(dict)
     ok_declared: dict[tuple[int, str, str, str], int] = {}
     failed_declared: dict[tuple[int, str, str, str], int] = {}
     failures: dict[tuple[int, str, str, str], list[str]] = defaultdict(list)
@@ -140,10 +163,14 @@ def results_for(case: dict[str, Any]) -> list[ProbeResult]:
     has_ok_series: set[tuple[str, str, str]] = set()
     for s in series:
         group = (s.labels.get("model", ""), s.labels.get("domain", ""), s.labels.get("target", ""))
-        if s.metric in GAUGE_FIELDS:
+        if s.metric in GAUGE_FIELDS or s.metric in DENSE_FIELDS:
+            into = gauges if s.metric in GAUGE_FIELDS else dense
+            name = GAUGE_FIELDS.get(s.metric) or DENSE_FIELDS[s.metric]
             for i, value in enumerate(s.values):
                 if value is not None:
-                    gauges[(i, *group)].setdefault(s.labels["probe"], {})[GAUGE_FIELDS[s.metric]] = value
+                    into[(i, *group)].setdefault(s.labels["probe"], {})[name] = field_value(s.metric, value)
+        elif s.metric in SERIES_GIVEN:
+            continue  # given_series
         elif s.metric == RESULTS:
             declared = ok_declared if s.labels["status"] == "ok" else failed_declared
             if s.labels["status"] == "ok":
@@ -163,7 +190,7 @@ def results_for(case: dict[str, Any]) -> list[ProbeResult]:
     for group, bucket_series in buckets.items():
         for i, values in _bucket_values(bucket_series).items():
             latencies[(i, *group)] = values
-    keys = set(gauges) | set(ok_declared) | set(failed_declared) | set(failures) | set(latencies)
+    keys = set(gauges) | set(dense) | set(ok_declared) | set(failed_declared) | set(failures) | set(latencies)
     results: list[ProbeResult] = []
     for key in sorted(keys):
         i, model, domain, target = key
@@ -180,6 +207,9 @@ def results_for(case: dict[str, Any]) -> list[ProbeResult]:
             fields = probes.get(probe, {})
             results.append(_result(at, model, domain, target, probe, "ok", i, len(results), **fields,
                                    inference_ms=observed[j] * 1000 if j < len(observed) else None))
+        for probe, fields in sorted(dense.get(key, {}).items()):
+            results.append(_result(at, model, domain, target, probe, "ok", i, len(results), baseline=True,
+                                   sensitivity=0.0, **fields))
         reasons = failures.get(key, [])
         if key in failed_declared and failed_declared[key] != len(reasons):
             raise NotConvertible(f"{failed_declared[key]} failed results but {len(reasons)} failure reasons at {at}")
@@ -191,9 +221,24 @@ def results_for(case: dict[str, Any]) -> list[ProbeResult]:
 
 def _result(at: datetime, model: str, domain: str, target: str, probe: str, status: str, step: int, n: int,
             **fields: Any) -> ProbeResult:
+    if fields.get("ttft_ms") is not None:
+        fields.setdefault("prompt_tokens", PROMPT_TOKENS)
     return ProbeResult(target=target, model=model, probe_id=probe, probe_version=1, probe_hash="0" * 16,
                        domain=domain, status=status, round_id=f"{step:032d}", result_id=f"{step:020d}{n:012d}",
                        created_at=at, **fields)
+
+
+def given_series(case: dict[str, Any]) -> list[GaugeSeries]:
+    """The case's SERIES_GIVEN inputs as gauge series with promtool's samples (seconds since t=0)."""
+    interval, series = input_series(case)
+    out = []
+    for s in series:
+        if s.metric not in SERIES_GIVEN:
+            continue
+        labels = tuple(sorted({**s.labels, "__name__": s.metric}.items()))
+        points = [(interval.total_seconds() * i, v) for i, v in enumerate(s.values) if v is not None]
+        out.append(GaugeSeries(labels, [t for t, _ in points], [v for _, v in points]))
+    return out
 
 
 def decisions_for(case: dict[str, Any]) -> list[GovernorDecision]:

@@ -1,6 +1,7 @@
 """The embedded evaluator against promtool's own test cases (prunewatch/alerts/rules_test.yml).
 
-Each case's input series become stored probe results (and governor decisions) in a real SQLite store; the evaluator steps
+Each case's input series become stored probe results (and governor decisions) in a real SQLite store, the measured
+thresholds and quality windows series as the collector exports them (promtool_cases.SERIES_GIVEN); the evaluator steps
 through the same evaluation times as promtool and must produce exactly the expected alerts
 (labels and rendered annotations) and recorded samples. promtool checks the same file
 (test_alert_tools.py), so Prometheus and the embedded evaluator cannot drift apart silently.
@@ -25,6 +26,7 @@ from tests.alerts.promtool_cases import (
     EPOCH,
     NotConvertible,
     decisions_for,
+    given_series,
     load_cases,
     parse_series,
     results_for,
@@ -76,7 +78,7 @@ def test_embedded_evaluator_matches_promtool_case(case: dict, tmp_path: Path) ->
         assert not case.get("promql_expr_test"), "promql_expr_test cases must be convertible"
         return
     engine = _store(tmp_path, results, decisions_for(case))
-    alerting = EmbeddedAlerting(AlertingSettings(state_path=None), engine)
+    alerting = EmbeddedAlerting(AlertingSettings(state_path=None), engine, extra_series=given_series(case))
     assert not {t["alertname"] for t in case.get("alert_rule_test", [])} & {r.name for r in alerting.unsupported}
 
     checks = sorted(case.get("alert_rule_test", []), key=lambda t: parse_duration(t["eval_time"]))

@@ -62,11 +62,14 @@ def test_firing_posts_once_then_resolved_once(store, receiver: SlackReceiver, ru
     assert post.text == (
         "*Pruning ratio of probe-llama on legal above 0.45: answer quality at risk*\n"
         "Pruning ratio is 0.600 (measured by the engine, each probe's last result averaged over the domain), above "
-        "the configured quality limit 0.45 for 0s (0.45 is a configured default, not measured on this model; check token agreement).\n"
+        "the quality-risk line 0.45, for 0s: check the reference-scored agreement of this domain "
+        "(QualityAgreementLow). 0.45 is a fallback (the rule settings' default, not measured on this model): "
+        "probe-llama has no measured thresholds; `prunewatch run` measures them at calibration, `prunewatch tune` "
+        "by a sweep.\n"
         "Runbook: Run `prunewatch doctor --config <targets file> --target embedded` on the collector host (plain "
         "`prunewatch doctor` for the main job's target, embedded; an alert without a target label is about an "
         "engine's own live traffic), then lower the pruning sensitivity for this "
-        "domain and check token agreement.\n")
+        "domain and check the reference-scored agreement.\n")
     assert post.body["attachments"][0]["color"] == "danger"
 
     again = alerting.after_round(T0 + timedelta(seconds=30))
@@ -162,7 +165,8 @@ def test_unconfigured_slack_evaluates_and_logs_only(store, rules_path: Path, tmp
         alerting = EmbeddedAlerting(settings(rules_path, tmp_path, None), store)
         report = alerting.after_round(T0 + timedelta(seconds=1))
     assert "Slack is not configured" in caplog.text
-    assert ("alert firing: PruningRatioQualityRisk{domain=legal, model=probe-llama, severity=critical, target=embedded}"
+    assert ("alert firing: PruningRatioQualityRisk{domain=legal, model=probe-llama, severity=critical, source=fallback, "
+            "target=embedded}"
             in caplog.text)
     assert len(report.transitions) == 2 and alerting.outbox == []
 
@@ -221,7 +225,7 @@ def test_unsupported_rules_are_reported_and_strict_refuses(store, tmp_path: Path
     reasons = {rule.name: rule.reason for rule in alerting.unsupported}
     assert set(reasons) == {"CollectorBufferBacklog", "TopLatency", "BadTemplate"}
     assert "aggregation 'topk'" in reasons["TopLatency"]
-    assert "$value | humanize" in reasons["BadTemplate"]
+    assert "template function 'humanize' is not supported" in reasons["BadTemplate"]
     assert "metric prunewatch_collector_buffer_depth is not derived from stored probe results" in \
         reasons["CollectorBufferBacklog"]
     assert "extra/TopLatency is not evaluated without Prometheus" in caplog.text
