@@ -7,9 +7,11 @@ Method (every figure measured on the target, nothing modelled):
    latency per generated token and mean quality. Latency is the engine's inference time when
    the target reports it, else the probe duration the collector measured. With `repeats` > 1
    the grid is swept that many times in alternating directions (so drift in the machine's speed
-   does not tilt the curve) and each point keeps the median latency of its passes. Quality is the engine's token agreement with the dense model when the
-   target reports it (in-process), else the word-level agreement of the output with the target's
-   own output at sensitivity 0 (greedy decoding makes that the dense answer).
+   does not tilt the curve) and each point keeps the median latency of its passes. Quality is the
+   reference-scored agreement of the served answer when a dense reference scored it (`--model` uses the
+   engine itself run dense; a target uses the reference the targets file names), else the engine's
+   teacher-forced continuation agreement when the target reports it, else the word-level agreement of the
+   output with the target's own output at sensitivity 0 (greedy decoding makes that the dense answer).
 2. Quality knee: where quality starts to fall. On quality normalised to [0, 1] over the sweep,
    the point farthest above the straight line from (0, best) to (1, worst) (the Kneedle rule).
    If quality falls by less than `min_quality_drop` over the whole sweep, it has no knee.
@@ -26,7 +28,11 @@ Method (every figure measured on the target, nothing modelled):
    warning red line the highest ratio measured with quality at or above it (below the critical
    one); the 24 h ratio floor of PruningRatioLow is `ratio_floor_share` of the ratio at the
    recommended sensitivity (interpolated between sweep points). A figure the sweep cannot support
-   (quality never fell, nothing was pruned) is left out, and the rule keeps its configured default.
+   (quality never fell, nothing was pruned) is left out.
+7. The model's operating range (records/operating_range.py) from the same sweep: its dense and default
+   points' results (ratio, reference-scored agreement and its spread, pass rates, per-token times), with
+   the red and risk lines of step 6 as measured lines. `tune-<target>-range.json` holds it; with `--model`
+   it also replaces the cached range the main job and `alerts eval` read, so the rules compare with it.
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from prunewatch.collector.operating_range import engine_configuration, summarise
 from prunewatch.collector.probe_round import run_round
+from prunewatch.collector.reference import Reference
 from prunewatch.probes import ProbeSet
+from prunewatch.records.operating_range import OperatingRange
 from prunewatch.records.results import ProbeResult
 
 DEFAULT_GRID = tuple(round(i / 10, 1) for i in range(11))
@@ -110,15 +119,6 @@ class AlertThresholds:
     quality_risk_ratio: float | None = None
     evidence: dict[str, str] = field(default_factory=dict)
 
-    def rule_overrides(self, source: str) -> dict[str, float | str]:
-        """The RuleSettings fields this recommendation sets (what `alerts render-rules --settings` reads)."""
-        values: dict[str, float | str] = {
-            name: value for name, value in (("ratio_low", self.ratio_low), ("quality_red_line", self.quality_red_line),
-                                            ("quality_risk_ratio", self.quality_risk_ratio)) if value is not None}
-        if values:
-            values["thresholds_source"] = source
-        return values
-
 
 @dataclass
 class TuneReport:
@@ -138,6 +138,7 @@ class TuneReport:
     blacklist_trials: list[BlacklistTrial] = field(default_factory=list)
     recommended_blacklist: list[int] = field(default_factory=list)
     alert_thresholds: AlertThresholds | None = None
+    operating_range: OperatingRange | None = None
     method: str = ("Kneedle on measured sweep points: quality knee (quality starts to fall) and latency knee "
                    "(gains flatten); knee = the lower; recommended = knee - margin")
 
@@ -209,7 +210,7 @@ class Sweeper:
     """Runs the probes against one target at given sensitivities / blacklists and scores them."""
 
     def __init__(self, target, probe_set: ProbeSet, settings: TuneSettings,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, reference: Reference | None = None) -> None:
         if not hasattr(target, "with_overrides"):
             raise TuneError(f"target {target.name} cannot change its sensitivity per request")
         if getattr(target, "kind", "prunewatch") == "openai":
@@ -218,33 +219,52 @@ class Sweeper:
         self.probe_set = probe_set
         self.settings = settings
         self.progress = progress or (lambda _message: None)
+        self.reference = reference
         self.dense_text: dict[str, str] = {}
-        self.engine_quality = True
+        self.quality_kinds: set[str] = set()  # reference, continuation, words: what scored the answers
         self.engine_latency = True
+        self.raw: dict[float, list[ProbeResult]] = {}  # every result per sensitivity (blacklist trials left out)
 
     def run(self, sensitivity: float, blacklist: Sequence[int] | None = None) -> tuple[list[ProbeResult], list]:
         target = self.target.with_overrides(sensitivity=sensitivity, layer_blacklist=list(blacklist or []))
-        summary = run_round(target, self.probe_set, [], timeout_s=self.settings.probe_timeout_s)
+        summary = run_round(target, self.probe_set, [], timeout_s=self.settings.probe_timeout_s,
+                            reference=self.reference)
         results = summary.results
+        if not blacklist:
+            self.raw.setdefault(sensitivity, []).extend(results)
         if sensitivity == 0.0 and not blacklist:
             self.dense_text = {r.probe_id: r.output_text or "" for r in results if r.ok}
         quality: list[float | None] = []
         for r in results:
             if not r.ok:
                 quality.append(None)
+            elif r.reference_agreement is not None:
+                self.quality_kinds.add("reference")
+                quality.append(r.reference_agreement)
             elif r.continuation_agreement is not None:
+                self.quality_kinds.add("continuation")
                 quality.append(r.continuation_agreement)
             else:
-                self.engine_quality = False
+                self.quality_kinds.add("words")
                 reference = self.dense_text.get(r.probe_id)
                 quality.append(None if reference is None else word_agreement(r.output_text or "", reference))
         return results, quality
 
 
+QUALITY_SOURCES = {
+    "reference": "reference-scored agreement of the served answer with a dense reference (measured)",
+    "continuation": "token agreement with the dense model, teacher-forced on its continuation (engine, measured)",
+    "words": "word agreement with the target's own output at sensitivity 0 (collector, measured)",
+}
+
+
 def tune(target, probe_set: ProbeSet, settings: TuneSettings = TuneSettings(),
-         progress: Callable[[str], None] | None = None) -> TuneReport:
-    """Sweep, find the knees, recommend; optionally discover a layer blacklist."""
-    sweeper = Sweeper(target, probe_set, settings, progress)
+         progress: Callable[[str], None] | None = None, reference: Reference | None = None,
+         default_sensitivity: float = 0.5) -> TuneReport:
+    """Sweep, find the knees, recommend; optionally discover a layer blacklist. With a `reference`, quality is
+    the reference-scored agreement of each served answer; the report's operating range is read at the grid point
+    nearest `default_sensitivity`."""
+    sweeper = Sweeper(target, probe_set, settings, progress, reference)
     if settings.warmup:
         sweeper.progress("warm-up: one probe, not measured")
         run_round(target.with_overrides(sensitivity=0.0), ProbeSet(probe_set.probes[:1], probe_set.source), [],
@@ -283,12 +303,12 @@ def tune(target, probe_set: ProbeSet, settings: TuneSettings = TuneSettings(),
         probes=len(probe_set.probes), probe_set_digest=probe_set.digest,
         latency_source=("engine inference time per token (measured)" if engine_latency
                         else "probe duration per token (collector, measured)"),
-        quality_source=("token agreement with the dense model, teacher-forced (engine, measured)"
-                        if sweeper.engine_quality else
-                        "word agreement with the target's own output at sensitivity 0 (collector, measured)"),
+        quality_source="; ".join(QUALITY_SOURCES[k] for k in ("reference", "continuation", "words")
+                                 if k in sweeper.quality_kinds) or QUALITY_SOURCES["words"],
         points=points, quality_knee=quality_knee, latency_knee=latency_knee, knee=knee, margin=settings.margin,
         recommended_sensitivity=recommended)
     report.alert_thresholds = alert_thresholds(points, recommended, settings)
+    report.operating_range = _operating_range(target, sweeper, report, probe_set, default_sensitivity)
     if settings.blacklist:
         _discover_blacklist(sweeper, report)
     return report
@@ -345,28 +365,42 @@ def alert_thresholds(points: Sequence[SweepPoint], recommended: float, settings:
     return out
 
 
-RULES_OVERRIDE_HEADER = """# Alert thresholds measured by `prunewatch tune` for model {model} (target {target}), {measured_at}.
-# Render the rules with them: prunewatch alerts render-rules --settings {name} --out rules.yml
-# (PRUNEWATCH_RULE_* variables and flags still win; fields not listed keep their defaults).
-"""
-
-
-def write_rules_override(report: TuneReport, out_dir: Path) -> Path | None:
-    """`tune-<target>-rules.yaml`: the RuleSettings fields the sweep supports, with their evidence as comments."""
-    import yaml
-
-    thresholds = report.alert_thresholds
-    if thresholds is None:
+def _operating_range(target, sweeper: Sweeper, report: TuneReport, probe_set: ProbeSet,
+                     default_sensitivity: float) -> OperatingRange | None:
+    """The range of the sweep's dense and default points, with the sweep's red and risk lines as measured ones."""
+    grid = sorted(s for s in sweeper.raw if s > 0)
+    if not grid or 0.0 not in sweeper.raw:
         return None
-    path = out_dir / f"tune-{report.target}-rules.yaml"
-    header = RULES_OVERRIDE_HEADER.format(model=report.model, target=report.target, measured_at=report.measured_at,
-                                          name=path.name)
-    evidence = "".join(f"# {name}: {text}\n" for name, text in sorted(thresholds.evidence.items()))
-    source = (f"`prunewatch tune` on {report.model} ({report.probes} probes, {len(report.points)} sensitivities, "
-              f"quality floor {thresholds.quality_floor:g}), {report.measured_at[:10]}")
-    overrides = thresholds.rule_overrides(source)
-    body = yaml.safe_dump(overrides, sort_keys=True, width=200) if overrides else "{}\n"
-    path.write_text(header + evidence + body)
+    default = min(grid, key=lambda s: abs(s - default_sensitivity))
+    engine = getattr(target, "engine", None)
+    results = sweeper.raw[default]
+    device = next((f"{r.device}: {r.device_name}" for r in results if r.device and r.device_name), "not recorded")
+    try:
+        measured = summarise(
+            sweeper.raw[0.0], results, model=target.model,
+            fingerprint=engine.loaded.fingerprint if engine is not None else f"target-{target.name}",
+            source="tune", probe_set=probe_set, sensitivity=default,
+            engine=(engine_configuration(engine.settings) if engine is not None else {"target": target.name}),
+            device=device, measured_at=report.measured_at)
+    except ValueError:
+        return None
+    thresholds = report.alert_thresholds
+    if thresholds is not None:
+        measured.swept_red_line = thresholds.quality_red_line
+        measured.swept_risk_ratio = thresholds.quality_risk_ratio
+        floor = f"quality floor {thresholds.quality_floor:g}, {report.quality_source}"
+        for kind, name in (("ratio_red_line", "quality_red_line"), ("ratio_risk", "quality_risk_ratio")):
+            if name in thresholds.evidence:
+                measured.sweep_evidence[kind] = f"{thresholds.evidence[name]} ({floor})"
+    return measured
+
+
+def write_operating_range(report: TuneReport, out_dir: Path) -> Path | None:
+    """`tune-<target>-range.json`: the model's operating range and the alert thresholds it gives."""
+    if report.operating_range is None:
+        return None
+    path = out_dir / f"tune-{report.target}-range.json"
+    report.operating_range.save(path)
     return path
 
 

@@ -173,18 +173,21 @@ def tune_command(
     blacklist: bool = typer.Option(False, "--blacklist", help="Also discover a layer blacklist (per-layer A/B)."),
     probes: Path = typer.Option(None, "--probes", help="Probes YAML (default: the canonical probes)."),
 ) -> None:
-    """Sweep sensitivity 0..1 on a target, find the knee, recommend knee - margin and alert thresholds (JSON, plot,
-    rules override)."""
+    """Sweep sensitivity 0..1 on a target, find the knee on the reference-scored agreement, recommend knee - margin,
+    and record the model's operating range and alert thresholds (JSON, plot, tune-<target>-range.json)."""
     import dataclasses
 
     from prunewatch.alerts.settings import RuleSettings
     from prunewatch.collector.fleet import FleetSettings, build_jobs, load_engine_cached
+    from prunewatch.collector.reference import EngineReference
     from prunewatch.collector.target_config import TargetConfigError, load_targets
     from prunewatch.collector.targets import InProcessTarget
-    from prunewatch.collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
+    from prunewatch.collector.tune import TuneError, TuneSettings, tune, write_operating_range, write_report
     from prunewatch.engine.errors import EngineError
+    from prunewatch.engine.settings import EngineSettings
     from prunewatch.models_cli import model_folder
     from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+    from prunewatch.records.operating_range import range_path
 
     configure_logging(False)
     if (model is None) == (config is None) or (config is not None) != (target is not None):
@@ -192,21 +195,30 @@ def tune_command(
     try:
         settings = TuneSettings(sensitivities=_grid(points), margin=margin, repeats=repeats, blacklist=blacklist,
                                 quality_floor=quality_floor, configured_red_line=RuleSettings().quality_red_line)
+        default = float(EngineSettings.model_fields["sensitivity"].default)
         if model is not None:
             probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
             engine = load_engine_cached(model_folder(model), device, FleetSettings().calibration_dir, {})
-            subject, subject_probes = InProcessTarget(engine, name=engine.name), probe_set
+            # Quality of what was served: the same weights run dense score every answer of the sweep.
+            subject, subject_probes = InProcessTarget(engine, name=engine.name, quality=False), probe_set
+            reference = EngineReference(engine)
         else:
             parsed = load_targets(config)
             probe_set = load_probes(probes or parsed.collector.probes_path or DEFAULT_PROBES_PATH)
             (job,) = build_jobs(parsed, probe_set, only=[target], calibration_dir=FleetSettings().calibration_dir)
             settings = dataclasses.replace(settings, probe_timeout_s=job.timeout_s or settings.probe_timeout_s)
-            subject, subject_probes = job.target, job.probe_set
-        report = tune(subject, subject_probes, settings, progress=lambda m: typer.echo(f"  {m}", err=True))
+            subject, subject_probes, reference = job.target, job.probe_set, job.reference
+            default = parsed.target(target).sensitivity if parsed.target(target).sensitivity is not None else default
+        report = tune(subject, subject_probes, settings, progress=lambda m: typer.echo(f"  {m}", err=True),
+                      reference=reference, default_sensitivity=default)
     except (TuneError, TargetConfigError, ProbeFileError, EngineError, ValueError) as exc:
         raise fail(str(exc))
     json_path, png_path = write_report(report, out)
-    rules_path = write_rules_override(report, out)
+    range_file = write_operating_range(report, out)
+    installed = None
+    if model is not None and report.operating_range is not None:  # what `run` and `alerts eval` read for it
+        installed = range_path(engine.calibration_path("x").parent, engine.name, engine.loaded.fingerprint)
+        report.operating_range.save(installed)
     typer.echo(f"{'sensitivity':>11} {'ratio':>7} {'latency ms':>10} {'quality':>8} {'failed':>6}")
     for p in report.points:
         ratio = "—" if p.pruning_ratio is None else f"{p.pruning_ratio:.3f}"
@@ -218,13 +230,18 @@ def tune_command(
     if blacklist:
         typer.echo(f"recommended layer blacklist: {report.recommended_blacklist or 'none'} "
                    f"({len(report.blacklist_trials)} layer(s) tried)")
-    thresholds = report.alert_thresholds
-    if thresholds is not None:
-        for name in ("ratio_low", "quality_red_line", "quality_risk_ratio"):
-            value = getattr(thresholds, name)
-            typer.echo(f"alert {name}: {'keep the default' if value is None else f'{value:g}'} "
-                       f"({thresholds.evidence.get(name, 'not measured')})")
-    typer.echo(f"wrote {json_path}, {png_path} and {rules_path}")
+    if report.operating_range is not None:
+        for t in report.operating_range.thresholds():
+            typer.echo(f"alert threshold {t.kind}: {t.value:.4g} ({t.evidence})")
+    else:
+        typer.echo("no operating range: no probe succeeded at the default sensitivity and dense")
+    typer.echo(f"wrote {json_path}, {png_path}" + (f" and {range_file}" if range_file else ""))
+    if installed is not None:
+        typer.echo(f"installed the operating range as {installed}: `prunewatch run` and `prunewatch alerts eval` "
+                   "read its thresholds for this model")
+    elif range_file is not None:
+        typer.echo("copy it into the collector's operating-range folder (PRUNEWATCH_COLLECTOR_OPERATING_RANGE_DIR) "
+                   "for the collector to export its thresholds")
 
 
 def doctor_command(

@@ -149,14 +149,40 @@ def test_alert_thresholds_come_from_the_sweep_points():
     assert "never fell below 0.1" in never_lost.evidence["quality_risk_ratio"]
 
 
+class WordsReference:
+    """A dense reference that scores an answer by its length: 20 words is the reference's own answer."""
+
+    name = "words"
+
+    def score(self, probe, served_text, served_ids=None):
+        from prunewatch.collector.reference import ReferenceScore
+
+        words = len(served_text.split())
+        return ReferenceScore(reference_agreement=min(1.0, words / 20), reference_tokens=20, served_nll=1.0,
+                              reference_nll=1.0, divergence_at=None, quality_source="reference:words", quality_ms=1.0)
+
+
+def test_with_a_reference_the_knee_is_found_on_the_reference_scored_agreement():
+    """The curve's served answers shrink as quality falls; the reference scores them. Its continuation agreement
+    (the engine's) is ignored where a reference scored the answer."""
+    report = tune(CurveTarget(), ProbeSet(PROBES.probes[:2], "t"), TuneSettings(sensitivities=GRID),
+                  reference=WordsReference())
+    assert report.quality_source.startswith("reference-scored agreement of the served answer")
+    assert [p.quality for p in report.points] == pytest.approx([1, .95, .95, .95, .95, .95, .95, .75, .55, .35, .15])
+    assert report.quality_knee == 0.6
+    measured = report.operating_range
+    assert measured is not None and measured.source == "tune" and measured.sensitivity == 0.5
+    assert measured.ratio == pytest.approx(0.25) and measured.agreement["estimate"] == pytest.approx(0.95)
+    kinds = {t.kind: t for t in measured.thresholds()}
+    assert kinds["ratio_low"].value == pytest.approx(0.125)  # half the ratio measured at the default
+    assert "tune" in kinds["ratio_risk"].evidence and kinds["ratio_risk"].source == "tune"
+
+
 @pytest.mark.integration
-def test_tune_on_a_model_writes_a_rules_override_that_promtool_accepts(probe_model_dir, tmp_path, calibration_dir):
+def test_tune_on_a_model_records_its_operating_range_for_the_rules(probe_model_dir, tmp_path, calibration_dir):
     import os
-    import shutil
     import subprocess
     import sys
-
-    import yaml
 
     from tests.deploy.test_stack import PROBES as TWO_PROBES
 
@@ -167,23 +193,16 @@ def test_tune_on_a_model_writes_a_rules_override_that_promtool_accepts(probe_mod
                            "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "tune-probe-llama.json").read_text())
-    override = yaml.safe_load((out / "tune-probe-llama-rules.yaml").read_text())
-    thresholds = report["alert_thresholds"]
-    assert thresholds["quality_floor"] == 0.99 and set(thresholds["evidence"]) >= {"ratio_low", "quality_risk_ratio"}
-    assert {k: v for k, v in override.items() if k != "thresholds_source"} == {
-        k: thresholds[k] for k in ("ratio_low", "quality_red_line", "quality_risk_ratio") if thresholds[k] is not None}
-    assert override["thresholds_source"].startswith("`prunewatch tune` on probe-llama")
-    rules = tmp_path / "rules.yml"
-    rendered = subprocess.run([sys.executable, "-m", "prunewatch", "alerts", "render-rules", "--settings",
-                               str(out / "tune-probe-llama-rules.yaml"), "--out", str(rules)],
-                              capture_output=True, text=True, timeout=120, env=env)
-    assert rendered.returncode == 0, rendered.stderr
-    text = rules.read_text()
-    for name in ("ratio_low", "quality_red_line", "quality_risk_ratio"):
-        if name in override:
-            assert f" {override[name]:g}" in text
-    assert "was measured: `prunewatch tune` on probe-llama" in text or "quality_red_line" not in override
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool is not installed (make system-deps installs it)")
-    checked = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert report["quality_source"].startswith("reference-scored agreement of the served answer")
+    measured = json.loads((out / "tune-probe-llama-range.json").read_text())
+    assert measured["source"] == "tune" and measured["model"] == "probe-llama" and measured["sensitivity"] == 0.5
+    kinds = {t["kind"]: t for t in measured["thresholds"]}
+    assert {"ratio_low", "ratio_red_line", "ratio_risk", "quality_floor", "tpot_vs_dense_max"} <= set(kinds)
+    assert all(t["source"] == "tune" and t["evidence"] for t in kinds.values())
+    # Installed where `prunewatch run` and `prunewatch alerts eval` read it for this model.
+    (installed,) = calibration_dir.glob("probe-llama-*.operating-range.json")
+    assert json.loads(installed.read_text())["measured_at"] == measured["measured_at"]
+    assert f"installed the operating range as {installed}" in done.stdout
+    listed = subprocess.run([sys.executable, "-m", "prunewatch", "alerts", "thresholds", "--ranges", str(calibration_dir)],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert listed.returncode == 0 and "ratio_low" in listed.stdout and "tune" in listed.stdout, listed.stdout
