@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prunewatch.dashboards import promql, sql
+from prunewatch.dashboards.overview import DASHED_THRESHOLDS
 from prunewatch.dashboards.panels import (
     Datasources,
     Json,
@@ -34,14 +35,16 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         "Latency breakdown per probe (measured mean)",
         "Mean seconds per probe of each phase, from the collector's histograms (sum rate ÷ count rate): "
         "preprocessing = tokenize + prompt features + bypass plan; inference = prefill + decode; "
-        "postprocessing = detokenize + stats; quality check = the dense re-run and teacher-forced scoring "
-        "behind token agreement (probes only). Means add up to the mean probe time.",
+        "postprocessing = detokenize + stats; quality check = scoring the served answer with the dense "
+        "reference (probes only). Means add up to the mean probe time.",
         p, [prom(ref, expr, phase) for ref, (phase, expr) in zip("ABCD", promql.PHASE_MEANS.items())],
         unit="s", width=12, bars=True, stacked=True))
     layout.add(timeseries(
         "Inference latency p50 / p99 (estimated from histogram buckets)",
-        "Quantiles of prefill + decode time over 5 minutes, interpolated by histogram_quantile within the "
-        "collector's buckets (0.1 s to 5 s); the p99 is the recorded series the latency-SLO alert evaluates.",
+        "Quantiles of prefill + decode time per request over 5 minutes, interpolated by histogram_quantile within "
+        "the collector's buckets (0.1 s to 5 s); the p99 is the recorded series an optional per-request SLO "
+        "(LatencySLOBreached, PRUNEWATCH_RULE_LATENCY_SLO_S) evaluates. A time per request moves with answer "
+        "length: the per-token panel beside it is what the default latency alerts read.",
         p, [prom("A", promql.INFERENCE_P50, "p50 · {{domain}}"), prom("B", promql.inference_p99(), "p99 · {{domain}} · {{target}}")],
         unit="s", width=12))
     layout.add(timeseries(
@@ -50,6 +53,18 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         "interpolated within the collector's phase buckets.",
         p, [prom("A", promql.TTFT_P50, "p50 · {{domain}}"), prom("B", promql.TTFT_P95, "p95 · {{domain}}")],
         unit="s", width=12))
+    layout.add(timeseries(
+        "Per-token latency, pruned ÷ dense baseline of the same target (measured, 1 h)",
+        "Pruned time per output token (decode) and time to first token per prompt token, each over the dense "
+        "baseline runs of the same prompts on the same target in the last hour (the collector's baselines, every "
+        "N-th round): below 1 pruning made it faster. Dashed: the limit measured for each model "
+        "(DecodeSlowerThanDense, FirstTokenSlowerThanDense fire above it; a model without one is held to the 1.5 "
+        "fallback). No line: no dense baseline in the hour.",
+        p, [prom("A", promql.tpot_vs_dense(), "per output token · {{domain}} · {{target}}"),
+            prom("B", promql.ttft_vs_dense(), "first token per prompt token · {{domain}} · {{target}}"),
+            prom("C", promql.thresholds("tpot_vs_dense_max", "ttft_vs_dense_max"),
+                 "threshold {{kind}} · {{model}} ({{source}})")],
+        unit="none", width=12, minimum=0, overrides=[DASHED_THRESHOLDS]))
     layout.add(timeseries(
         "Tokens per second (measured, last probe)",
         "Completion tokens ÷ inference time of each domain's last probe, batch 1.",
@@ -71,9 +86,9 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
     layout.add(timeseries(
         "Governed pruning sensitivity by target and domain (set by the governor from measured agreement)",
         "The sensitivity the quality governor holds for each target and domain: the most aggressive setting "
-        "whose measured token agreement stays at or above its floor. It drops at once by a bounded step "
-        "when a round's agreement falls below the floor (PruningGovernorClamped) and climbs back in small "
-        "steps after consecutive good rounds. `prunewatch governor status` shows each decision's evidence.",
+        "whose measured reference-scored agreement (its 95% interval over prompts) stays at or above its floor. "
+        "It drops at once by a bounded step on a breach (PruningGovernorClamped) and climbs back in small "
+        "steps after consecutive good evaluations. `prunewatch governor status` shows each decision's evidence.",
         p, [prom("A", promql.scoped(PROMQL_GOVERNOR_SETTING, TARGET_DOMAIN), "{{target}} · {{domain}}")],
         unit="none", width=24, height=7, minimum=0, maximum=1))
     layout.add(row("Hardware"))

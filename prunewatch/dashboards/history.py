@@ -44,14 +44,29 @@ def build_history(settings: DashboardSettings) -> Json:
         "Probe outcomes (counted)",
         "Probe results per interval by status (ok / failed).",
         db, [pg("A", sql.OUTCOMES)], unit="none", width=12, bars=True, stacked=True, minimum=0))
-    layout.add(row("Quality (measured against the dense model)"))
+    layout.add(row("Quality of what was served (measured against a dense reference)"))
     layout.add(timeseries(
-        "Token agreement by domain (measured)",
-        "Mean teacher-forced argmax agreement with the dense model per domain and interval.",
-        db, [pg("A", sql.TOKEN_AGREEMENT)], unit="percentunit", width=12, minimum=0, maximum=1))
+        "Reference-scored agreement by domain (measured)",
+        "Share of the served answers' tokens equal to the dense reference's argmax given the served prefix, "
+        "pooled over the answers of each domain and interval (matched tokens ÷ scored tokens; dense baselines "
+        "and dense fallbacks left out). The primary quality figure; its 95% interval over prompts is on the "
+        "overview dashboard.",
+        db, [pg("A", sql.REFERENCE_AGREEMENT)], unit="percentunit", width=12, minimum=0, maximum=1))
     layout.add(timeseries(
-        "Perplexity delta by domain, % (measured)",
-        "Mean (pruned − dense) ÷ dense perplexity of the dense continuation, in percent, per domain and interval.",
+        "Task pass rate, pruned vs dense (measured)",
+        "Share of checked answers that passed their probe's machine check (number, substring, code run), per "
+        "domain and interval: pruned answers and the dense baseline runs' answers to the same probes.",
+        db, [pg("A", sql.TASK_PASS_RATE)], unit="percentunit", width=12, minimum=0, maximum=1))
+    layout.add(timeseries(
+        "Continuation agreement by domain (measured, secondary)",
+        "Teacher-forced argmax agreement of the pruned model on the dense model's own continuation, per domain "
+        "and interval: only a full check of a prunewatch engine gives it, and it is more forgiving than the "
+        "reference-scored agreement (an answer that left the dense path early can still score high here).",
+        db, [pg("A", sql.CONTINUATION_AGREEMENT)], unit="percentunit", width=12, minimum=0, maximum=1))
+    layout.add(timeseries(
+        "Perplexity delta by domain, % (measured, secondary)",
+        "Mean (pruned − dense) ÷ dense perplexity of the dense continuation, in percent, per domain and interval "
+        "(from the same full check as the continuation agreement).",
         db, [pg("A", sql.PERPLEXITY_DELTA)], unit="percent", width=12))
     layout.add(row("Records"))
     layout.add(table(

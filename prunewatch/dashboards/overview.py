@@ -24,6 +24,18 @@ from prunewatch.dashboards.variables import prometheus_variables
 
 UID = "prunewatch-overview"
 
+DASHED_THRESHOLDS: Json = {"matcher": {"id": "byRegexp", "options": "^threshold "},
+                           "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                                          {"id": "custom.fillOpacity", "value": 0}]}
+"""Measured thresholds drawn as dashed lines beside the figure they hold."""
+INTERVAL_BOUNDS: Json = {"matcher": {"id": "byRegexp", "options": r"\(95%\)$"},
+                         "properties": [{"id": "custom.lineStyle", "value": {"fill": "dot"}},
+                                        {"id": "custom.fillOpacity", "value": 0}]}
+"""The interval's bounds dotted around the estimate."""
+PROMPTS_AXIS: Json = {"matcher": {"id": "byRegexp", "options": "^prompts "},
+                      "properties": [{"id": "unit", "value": "none"},
+                                     {"id": "custom.axisPlacement", "value": "right"}]}
+
 
 def _rule_default(name: str) -> float:
     """A threshold's default in the alert rule settings (what the committed rules.yml is rendered from)."""
@@ -38,15 +50,19 @@ def build_overview(settings: DashboardSettings) -> Json:
     layout = Layout()
     layout.add(row("Pruning"))
     layout.add(timeseries(
-        "Pruning ratio by domain (measured)",
+        "Pruning ratio by domain (measured), with each model's thresholds",
         "Share of the dense model's linear-layer FLOPs that were not executed, as counted by the engine, "
         "last probe of each probe id averaged per domain, and its 24h mean: the recorded series the "
-        f"ratio alerts evaluate. Reference lines: {low:g} (ratio-low alert) and {risk:g} (quality-risk "
-        "alert), the alert rules' default thresholds.",
+        "ratio alerts evaluate. Dashed: the thresholds measured for each model (ratio_low, ratio_red_line, "
+        "ratio_risk; source calibration or tune: `prunewatch alerts thresholds` says how). A model without "
+        f"measured thresholds is alerted on the fallbacks {low:g} (ratio low) and {risk:g} (quality risk), "
+        "the reference lines of this panel.",
         p, [prom("A", promql.ratio_by_domain(), "{{domain}} · {{model}} · {{target}}"),
-            prom("B", promql.ratio_avg_24h(), "{{domain}} · {{target}} · 24h mean")],
+            prom("B", promql.ratio_avg_24h(), "{{domain}} · {{target}} · 24h mean"),
+            prom("C", promql.thresholds("ratio_low", "ratio_red_line", "ratio_risk"),
+                 "threshold {{kind}} · {{model}} ({{source}})")],
         unit="percentunit", width=16, minimum=0, maximum=1,
-        thresholds=[("transparent", None), ("red", low), ("orange", risk)]))
+        thresholds=[("transparent", None), ("red", low), ("orange", risk)], overrides=[DASHED_THRESHOLDS]))
     layout.add(bargauge(
         "Probes per ratio bucket (measured, last probe)",
         "How many probes (model × domain × probe id) had their last measured pruning ratio in each bucket "
@@ -87,12 +103,34 @@ def build_overview(settings: DashboardSettings) -> Json:
         unit="currencyUSD", width=12, height=9, decimals=3))
     layout.add(row("Quality and health"))
     layout.add(timeseries(
-        "Token agreement with the dense model (measured)",
-        "Teacher-forced argmax agreement of the pruned model with the dense model on the dense continuation "
-        "of each probe: last result of each probe id averaged per domain (the recorded series the agreement "
-        "alert family uses), and the worst probe. 1.0 means every token matched.",
-        p, [prom("A", promql.continuation_agreement_by_domain(), "{{domain}} · {{model}} · {{target}}"),
-            prom("B", promql.TOKEN_AGREEMENT_WORST, "worst probe")],
+        "Reference-scored agreement of served answers (measured, 95% interval over prompts)",
+        "Share of the served answers' tokens equal to the dense reference's argmax given the served prefix, "
+        "pooled over the prompts each target answered at its current sensitivity in its last rounds (estimate, "
+        "solid), with the 95% interval bootstrapped over prompts (low and high, dotted): the series "
+        "QualityAgreementLow reads, which fires when even the high bound is below the model's floor (dashed: "
+        "measured for the model; a model without one is held to the 0.8 fallback). The worst probe's last answer "
+        "is shown too. The prompts behind each estimate are in the next panel.",
+        p, [prom("A", promql.reference_agreement("estimate"), "{{domain}} · {{model}} · {{target}}"),
+            prom("B", promql.reference_agreement("low"), "{{domain}} · {{target}} · low (95%)"),
+            prom("C", promql.reference_agreement("high"), "{{domain}} · {{target}} · high (95%)"),
+            prom("D", promql.REFERENCE_AGREEMENT_WORST, "worst probe, last answer"),
+            prom("E", promql.thresholds("quality_floor"), "threshold {{kind}} · {{model}} ({{source}})")],
+        unit="percentunit", width=12, minimum=0, maximum=1, overrides=[INTERVAL_BOUNDS, DASHED_THRESHOLDS]))
+    layout.add(timeseries(
+        "Task pass rate and prompts behind the agreement (measured, counted)",
+        "Share of the checked prompts whose newest served answer passed the probe's machine check (number, "
+        "substring, code run), over the same window as the agreement; and how many prompts the agreement "
+        "pools (right axis): an interval over two prompts is wide, and says so.",
+        p, [prom("A", promql.task_pass_rate(), "pass rate · {{domain}} · {{target}}"),
+            prom("B", promql.reference_agreement_prompts(), "prompts · {{domain}} · {{target}}")],
+        unit="percentunit", width=12, minimum=0, overrides=[PROMPTS_AXIS]))
+    layout.add(timeseries(
+        "Continuation agreement (measured, secondary)",
+        "Teacher-forced argmax agreement of the pruned model on the dense model's own continuation, last result "
+        "of each probe averaged per domain: only a full check of a prunewatch engine gives it, and it is more "
+        "forgiving than the reference-scored agreement (an answer that left the dense path early can still "
+        "score high). No alert reads it.",
+        p, [prom("A", promql.CONTINUATION_AGREEMENT, "{{domain}} · {{model}} · {{target}}")],
         unit="percentunit", width=12, minimum=0, maximum=1))
     layout.add(timeseries(
         "Probe failure rate (measured)",

@@ -1,7 +1,7 @@
 """PromQL of the dashboard panels, built from the collector's metric names and the alert recording rules.
 
 Derived figures that alerts also evaluate (ratio by domain, 24h ratio, p99 latency, failure rate,
-token agreement, ratio buckets) are read from the recording rules that record the PROMQL_*
+reference-scored agreement and its interval, per-token latency against dense, ratio buckets) are read from the recording rules that record the PROMQL_*
 constants verbatim (prunewatch/alerts/rules.yml), narrowed to the dashboard's template variables by
 `scoped`: a dashboard and an alert can never disagree about what a figure means. Everything
 else is written here against metric names of `prunewatch.records.metrics`.
@@ -13,13 +13,19 @@ import re
 
 from prunewatch.dashboards.rules import RatioBucket, load_rule_file, recorded
 from prunewatch.records.promql import (
-    PROMQL_AGREEMENT_BY_DOMAIN,
     PROMQL_DECODE_RATIO_BY_DOMAIN,
     PROMQL_FAILURE_RATE,
     PROMQL_LATENCY_P99,
+    PROMQL_PASS_RATE,
     PROMQL_PREFILL_RATIO_BY_DOMAIN,
+    PROMQL_QUALITY_ESTIMATE,
+    PROMQL_QUALITY_HIGH,
+    PROMQL_QUALITY_LOW,
+    PROMQL_QUALITY_PROMPTS,
     PROMQL_RATIO_AVG_24H,
     PROMQL_RATIO_BY_DOMAIN,
+    PROMQL_TPOT_VS_DENSE,
+    PROMQL_TTFT_VS_DENSE,
 )
 
 MODEL_DOMAIN = 'model=~"$model", domain=~"$domain"'
@@ -69,8 +75,36 @@ def inference_p99() -> str:
     return scoped(recorded(PROMQL_LATENCY_P99))
 
 
-def continuation_agreement_by_domain() -> str:
-    return scoped(recorded(PROMQL_AGREEMENT_BY_DOMAIN))
+def reference_agreement(bound: str) -> str:
+    """The windowed reference-scored agreement (estimate, low or high), as QualityAgreementLow reads it."""
+    expr = {"estimate": PROMQL_QUALITY_ESTIMATE, "low": PROMQL_QUALITY_LOW, "high": PROMQL_QUALITY_HIGH}[bound]
+    return scoped(recorded(expr))
+
+
+def reference_agreement_prompts() -> str:
+    return scoped(recorded(PROMQL_QUALITY_PROMPTS))
+
+
+def task_pass_rate() -> str:
+    return scoped(recorded(PROMQL_PASS_RATE))
+
+
+def tpot_vs_dense() -> str:
+    return scoped(recorded(PROMQL_TPOT_VS_DENSE))
+
+
+def ttft_vs_dense() -> str:
+    return scoped(recorded(PROMQL_TTFT_VS_DENSE))
+
+
+def thresholds(*kinds: str) -> str:
+    """The selected models' measured alert thresholds of these kinds (what the rules compare with, on(model))."""
+    return (f'max by (model, kind, source) (prunewatch_alert_threshold{{kind=~"{"|".join(kinds)}", '
+            f'model=~"$model"}})')
+
+
+CONTINUATION_AGREEMENT = scoped("avg by (target, model, domain) (prunewatch_continuation_agreement)")
+"""Secondary: teacher-forced agreement on the dense continuation (a full check of a prunewatch engine only)."""
 
 
 def ratio_buckets() -> tuple[RatioBucket, ...]:
@@ -107,7 +141,8 @@ COST_GPU_PER_MILLION_TOKENS = (
 )
 
 # -- raw figures ---------------------------------------------------------------------------------
-TOKEN_AGREEMENT_WORST = f"min(prunewatch_continuation_agreement{{{MODEL_DOMAIN}}})"
+REFERENCE_AGREEMENT_WORST = f"min(prunewatch_reference_agreement{{{MODEL_DOMAIN}}})"
+"""The worst probe's last served answer, reference-scored."""
 LAST_SUCCESS_AGE = f"time() - max by (model, target) (prunewatch_last_success_timestamp_seconds{{{MODEL_TARGET}}})"
 
 

@@ -80,7 +80,22 @@ LATENCY_PHASES = _lines(
     f"WHERE {PRUNED} AND status = 'ok'",
     "GROUP BY 1 ORDER BY 1",
 )
-TOKEN_AGREEMENT = _lines(
+REFERENCE_AGREEMENT = _lines(  # pooled over answers: matched tokens / scored tokens, as the windowed figure pools
+    f"SELECT {TIME_BUCKET}, domain AS metric,",
+    "  sum(reference_agreement * reference_tokens) / NULLIF(sum(reference_tokens), 0) AS value",
+    "FROM probe_results",
+    f"WHERE {PRUNED} AND status = 'ok' AND reference_agreement IS NOT NULL AND reference_tokens > 0",
+    "  AND fallback_reason IS NULL",
+    "GROUP BY 1, 2 ORDER BY 1",
+)
+TASK_PASS_RATE = _lines(  # pruned answers and the dense baselines' answers to the same checks, apart
+    f"SELECT {TIME_BUCKET}, domain || CASE WHEN baseline THEN ' · dense' ELSE ' · pruned' END AS metric,",
+    "  avg(CASE WHEN task_passed THEN 1.0 ELSE 0.0 END) AS value",
+    "FROM probe_results",
+    f"WHERE {WHERE} AND status = 'ok' AND task_passed IS NOT NULL",
+    "GROUP BY 1, 2 ORDER BY 1",
+)
+CONTINUATION_AGREEMENT = _lines(
     f"SELECT {TIME_BUCKET}, domain AS metric, avg(continuation_agreement) AS value",
     "FROM probe_results",
     f"WHERE {PRUNED} AND status = 'ok' AND continuation_agreement IS NOT NULL",
@@ -107,7 +122,10 @@ FAILURES_BY_REASON = _lines(
 )
 BY_PROBE_VERSION = _lines(
     "SELECT probe_id, probe_version, probe_hash, domain, count(*) AS results,",
-    "  avg(pruning_ratio) AS mean_ratio, avg(continuation_agreement) AS mean_agreement, avg(inference_ms) AS mean_inference_ms",
+    "  avg(pruning_ratio) AS mean_ratio,",
+    "  sum(reference_agreement * reference_tokens) / NULLIF(sum(reference_tokens), 0) AS reference_agreement,",
+    "  avg(CASE WHEN task_passed THEN 1.0 WHEN NOT task_passed THEN 0.0 END) AS pass_rate,",
+    "  avg(inference_ms) AS mean_inference_ms",
     "FROM probe_results",
     f"WHERE {PRUNED} AND status = 'ok'",
     "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2",
@@ -116,7 +134,7 @@ RECENT_RESULTS = _lines(
     "SELECT created_at AS \"time\", target, model, domain, probe_id, probe_version, status, failure_reason,",
     "  CASE WHEN baseline THEN 'dense baseline' ELSE 'pruned' END AS run, sensitivity,",
     "  pruning_ratio, inference_ms, ttft_ms, client_ttft_ms, tokens_per_s, client_decode_tokens_per_s,",
-    "  continuation_agreement, fallback_reason",
+    "  reference_agreement, reference_tokens, task_passed, divergence_at, continuation_agreement, fallback_reason",
     "FROM probe_results",
     f"WHERE {WHERE}",
     "ORDER BY created_at DESC LIMIT 200",
