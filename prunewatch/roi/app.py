@@ -37,7 +37,7 @@ from prunewatch.roi.measured import (
 )
 from prunewatch.roi.settings import WINDOW_CHOICES_DAYS, RoiAppSettings
 from prunewatch.roi.store import load_results
-from prunewatch.roi.tables import cost_rows, headlines, input_rows, to_csv
+from prunewatch.roi.tables import cost_rows, headlines, input_rows, quality_rows, to_csv
 
 ALL_TARGETS = "All targets"
 ALL_MODELS = "All models"
@@ -141,11 +141,17 @@ def show_measured(summary: MeasuredSummary) -> None:
                    help="measured: " + (", ".join(f"{k} {v}" for k, v in summary.failures_by_reason.items()) or "none"))
     cols[2].metric("Mean pruning ratio", "n/a" if summary.mean_pruning_ratio is None else f"{summary.mean_pruning_ratio:.3f}",
                    help=f"measured: work skipped / dense work ({summary.ratio_unit or 'no unit'}), pruned configuration")
-    cols[3].metric("Token agreement (quality kept)",
-                   "n/a" if summary.continuation_agreement_mean is None else pct(summary.continuation_agreement_mean),
-                   help="measured: pruned vs dense argmax agreement on the dense continuation, mean over probes")
+    agreement = summary.reference_agreement
+    cols[3].metric("Quality kept (reference-scored agreement)",
+                   "n/a" if agreement is None else pct(agreement["estimate"]),
+                   help="measured: share of the served answers' tokens equal to the dense reference's argmax"
+                        + ("" if agreement is None else
+                           f"; 95% interval {pct(agreement['low'])} to {pct(agreement['high'])} over "
+                           f"{int(agreement['prompts'])} prompts (bootstrap over prompts)"))
     cols[4].metric("Pruned / dense runs", f"{summary.pruned_results} / {summary.dense_results}",
                    help="measured: successful probes with sensitivity > 0 / with sensitivity 0")
+    st.table([{"Figure": figure, "Value": value, "How it was obtained": how}
+              for figure, value, how in quality_rows(summary)])
 
 
 def main() -> None:

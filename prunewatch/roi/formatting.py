@@ -18,6 +18,15 @@ def pct(fraction: float, digits: int = 1) -> str:
     return f"{fraction * 100:.{digits}f}%"
 
 
+def interval_text(interval: dict[str, float], unit: str = "prompts") -> str:
+    """A share with its 95% interval and evidence: '93.1% [90.2%, 95.4%] over 21 prompts'."""
+    prompts = int(interval["prompts"])
+    text = f"{pct(interval['estimate'])} [{pct(interval['low'])}, {pct(interval['high'])}] over {prompts} prompts"
+    if unit == "answers":
+        text += f" ({int(interval['tokens'])} answers)"
+    return text
+
+
 def number(value: float, unit: str) -> str:
     """An input's value in its unit's natural precision."""
     if unit.startswith("$"):

@@ -16,7 +16,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from prunewatch.records.intervals import bootstrap_share
 from prunewatch.records.models import BUNDLED_PROBE_MODEL
+from prunewatch.records.quality_window import scored_answer
 from prunewatch.records.results import ProbeResult
 
 Configuration = Literal["pruned", "dense"]
@@ -96,7 +98,16 @@ class MeasuredSummary(BaseModel):
     prompt_tokens: float | None = Field(None, description="Mean prompt tokens per pruned-configuration request.")
     completion_tokens: float | None = Field(None, description="Mean completion tokens per pruned-configuration request.")
     tokens_per_s: float | None = None
-    continuation_agreement_mean: float | None = None
+    reference_agreement: dict[str, float] | None = Field(
+        None, description="Reference-scored agreement of the pruned configuration's served answers: pooled share "
+                          "(estimate), its 95% bootstrap interval over prompts (low, high), prompts and tokens.")
+    pass_rate_pruned: dict[str, float] | None = Field(
+        None, description="Share of checked pruned answers that passed their probe's check, with its interval "
+                          "over prompts (estimate, low, high, prompts, tokens = answers).")
+    pass_rate_dense: dict[str, float] | None = Field(
+        None, description="The same for the dense baseline runs' answers to the same checks.")
+    continuation_agreement_mean: float | None = Field(
+        None, description="Secondary: teacher-forced agreement on the dense continuation (full checks only).")
     continuation_agreement_min: float | None = None
     perplexity_delta_pct_mean: float | None = None
     first_result_at: datetime | None = None
@@ -175,6 +186,29 @@ def _per_probe_ms(results: Sequence[ProbeResult]) -> dict[tuple[str, int], float
     return {key: fmean(values) for key, values in grouped.items()}
 
 
+def _per_prompt(results: Sequence[ProbeResult], value) -> tuple[list[float], list[float]]:
+    """Per prompt (probe id, version): the summed (hits, total) that `value(result)` gives, None skipped."""
+    sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r in results:
+        pair = value(r)
+        if pair is not None:
+            entry = sums[(r.probe_id, r.probe_version)]
+            entry[0] += pair[0]
+            entry[1] += pair[1]
+    keys = sorted(sums)
+    return [sums[k][0] for k in keys], [sums[k][1] for k in keys]
+
+
+def _interval(hits: list[float], totals: list[float]) -> dict[str, float] | None:
+    """Pooled share with its 95% interval bootstrapped over prompts (records/intervals.py), as plain data."""
+    interval = bootstrap_share(hits, totals)
+    return None if interval is None else interval.to_dict()
+
+
+def _passed(r: ProbeResult) -> tuple[float, float] | None:
+    return None if r.task_passed is None else (1.0 if r.task_passed else 0.0, 1.0)
+
+
 def select(results: Iterable[ProbeResult], window: Window, target: str | None = None,
            model: str | None = None) -> list[ProbeResult]:
     """The results inside the window for the target/model filters (None keeps all)."""
@@ -212,6 +246,9 @@ def summarize(results: Iterable[ProbeResult], window: Window, target: str | None
         prompt_tokens=_mean(r.prompt_tokens for r in pruned),
         completion_tokens=_mean(r.completion_tokens for r in pruned),
         tokens_per_s=_mean(r.tokens_per_s for r in pruned),
+        reference_agreement=_interval(*_per_prompt(pruned, scored_answer)),
+        pass_rate_pruned=_interval(*_per_prompt(pruned, _passed)),
+        pass_rate_dense=_interval(*_per_prompt(dense, _passed)),
         continuation_agreement_mean=fmean(agreement) if agreement else None,
         continuation_agreement_min=min(agreement) if agreement else None,
         perplexity_delta_pct_mean=_mean(r.perplexity_delta_pct for r in pruned),
@@ -233,7 +270,8 @@ class TrendPoint(BaseModel):
     mean_pruning_ratio: float | None
     pruned_inference_ms: float | None
     dense_inference_ms: float | None
-    continuation_agreement: float | None
+    reference_agreement: float | None = None  # pooled over the bucket's scored answers
+    continuation_agreement: float | None = None
 
 
 def choose_bucket_s(first: datetime, last: datetime) -> int:
@@ -266,9 +304,16 @@ def trend(results: Sequence[ProbeResult], bucket_s: int | None = None) -> tuple[
             mean_pruning_ratio=_mean(r.pruning_ratio for r in pruned),
             pruned_inference_ms=_mean(r.inference_ms for r in pruned),
             dense_inference_ms=_mean(r.inference_ms for r in dense),
+            reference_agreement=_pooled(pruned),
             continuation_agreement=_mean(r.continuation_agreement for r in pruned),
         ))
     return width, points
+
+
+def _pooled(results: Sequence[ProbeResult]) -> float | None:
+    scored = [pair for r in results if (pair := scored_answer(r)) is not None]
+    tokens = sum(n for _, n in scored)
+    return sum(m for m, _ in scored) / tokens if tokens else None
 
 
 class ScatterPoint(BaseModel):

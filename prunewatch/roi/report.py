@@ -29,7 +29,7 @@ from prunewatch.roi.measured import (
     trend,
 )
 from prunewatch.roi.provenance import Provenance
-from prunewatch.roi.tables import cost_rows, headlines, input_rows
+from prunewatch.roi.tables import cost_rows, headlines, input_rows, quality_kept_text, quality_rows
 
 REPORT_DAYS = (30, 60, 90)
 PRIMARY_BASIS = Basis.ALLOCATION  # the honest basis for a CFO comparing with an API price
@@ -120,8 +120,7 @@ def _summary_blocks(summary: MeasuredSummary, result: RoiResult, assumptions: As
                             f"<b>{_e(payback_text(pay))}</b> on the allocation basis.")
     where = f"target {summary.target}" if summary.target else "all targets"
     ratio = "n/a" if summary.mean_pruning_ratio is None else pct(summary.mean_pruning_ratio)
-    agreement = ("not scored" if summary.continuation_agreement_mean is None
-                 else f"{pct(summary.continuation_agreement_mean)} token agreement with the dense model")
+    agreement = quality_kept_text(summary)
     volume = result.inputs.requests_per_day
     blocks: list[Block] = [
         Heading("Summary"),
@@ -135,7 +134,7 @@ def _summary_blocks(summary: MeasuredSummary, result: RoiResult, assumptions: As
              f"{summary.pruned_results} with pruning, {summary.dense_results} dense baseline, "
              f"{summary.results_failed} failed. Pruning skipped {_e(ratio)} of the work per request on average "
              f"(measured, {_e(summary.ratio_unit or 'no unit')}), and the pruned output kept {_e(agreement)} "
-             f"(measured). {_e(_where_timed(summary))}"),
+             f"(measured){_e(_pass_rates(summary))}. {_e(_where_timed(summary))}"),
         Para(f"<b>Before and after.</b> {_e(_basis_text(summary, result))}"),
     ]
     if summary.uses_probe_model:
@@ -148,6 +147,14 @@ def _summary_blocks(summary: MeasuredSummary, result: RoiResult, assumptions: As
                        f"{_e(Basis.USAGE.description)}. A month is 365/12 days. Headline costs include GPU, token "
                        f"and failure costs.", small=True))
     return blocks
+
+
+def _pass_rates(summary: MeasuredSummary) -> str:
+    """', passing its task checks X dense and Y pruned' when checks ran both ways; '' otherwise."""
+    if summary.pass_rate_pruned is None or summary.pass_rate_dense is None:
+        return ""
+    return (f"; its answers passed their task checks {pct(summary.pass_rate_pruned['estimate'])} of the time, "
+            f"against {pct(summary.pass_rate_dense['estimate'])} dense (measured, same probes)")
 
 
 def _where_timed(summary: MeasuredSummary) -> str:
@@ -203,18 +210,7 @@ def _savings_blocks(summary: MeasuredSummary, result: RoiResult, charts: dict[st
 
 
 def _trend_blocks(summary: MeasuredSummary, charts: dict[str, bytes], bucket_label: str, swing: float) -> list[Block]:
-    failures = ", ".join(f"{k}: {v}" for k, v in summary.failures_by_reason.items()) or "none"
-    quality_rows = (
-        ("Mean token agreement", "n/a" if summary.continuation_agreement_mean is None else pct(summary.continuation_agreement_mean),
-         "measured: pruned vs dense argmax match on the dense continuation"),
-        ("Lowest token agreement", "n/a" if summary.continuation_agreement_min is None else pct(summary.continuation_agreement_min),
-         "measured: worst single probe in the window"),
-        ("Mean perplexity change",
-         "n/a" if summary.perplexity_delta_pct_mean is None else f"{summary.perplexity_delta_pct_mean:+.2f}%",
-         "measured: pruned vs dense perplexity of the dense continuation"),
-        ("Failed probe requests", f"{summary.results_failed} of {summary.results_total}",
-         f"measured; by reason: {failures}"),
-    )
+    rows = tuple(quality_rows(summary))
     return [
         Heading("Measured trends"),
         ChartRow((
@@ -228,9 +224,9 @@ def _trend_blocks(summary: MeasuredSummary, charts: dict[str, bytes], bucket_lab
                                      "unchanged.", width=0.8)
         if "sensitivity" in charts else Para(_e(no_sensitivity_text(PRIMARY_BASIS, swing))),
         Heading("Quality kept"),
-        Table(header=("Figure", "Value", "How it was obtained"), rows=quality_rows, widths=(0.3, 0.18, 0.52)),
-        Para("The pruning ratio measures efficiency, never quality: quality is scored against the dense model on "
-             "the same prompt.", small=True),
+        Table(header=("Figure", "Value", "How it was obtained"), rows=rows, widths=(0.28, 0.26, 0.46)),
+        Para("The pruning ratio measures efficiency, never quality: quality is what the engine served, scored by a "
+             "dense reference model on the same prompt.", small=True),
     ]
 
 

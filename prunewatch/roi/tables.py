@@ -8,7 +8,7 @@ import io
 from pydantic import BaseModel, ConfigDict
 
 from prunewatch.roi.costs import PERIOD_DAYS, Basis, RoiResult
-from prunewatch.roi.formatting import number, payback_text, usd
+from prunewatch.roi.formatting import interval_text, number, payback_text, pct, usd
 from prunewatch.roi.measured import MeasuredSummary
 
 
@@ -36,6 +36,41 @@ def headlines(result: RoiResult, basis: Basis) -> list[Headline]:
         Headline(label="Savings / year", value=usd(costs.savings_per("year")), help=how),
         Headline(label="Payback", value=payback_text(pay), help=pay.reason),
     ]
+
+
+def quality_kept_text(summary: MeasuredSummary) -> str:
+    """"Quality kept" in one phrase: the reference-scored agreement with its interval and prompts (measured)."""
+    if summary.reference_agreement is None:
+        return "quality not scored (no served answer was scored by a dense reference)"
+    return (f"{interval_text(summary.reference_agreement)} reference-scored agreement of the served answers with "
+            "the dense reference")
+
+
+def quality_rows(summary: MeasuredSummary) -> list[tuple[str, str, str]]:
+    """(figure, value, how it was obtained) of the quality the pruned configuration kept, primary figure first."""
+    failures = ", ".join(f"{k}: {v}" for k, v in summary.failures_by_reason.items()) or "none"
+    rows = [("Reference-scored agreement (quality kept)",
+             "not scored" if summary.reference_agreement is None else interval_text(summary.reference_agreement),
+             "measured: share of the served answers' tokens equal to the dense reference's argmax given the served "
+             "prefix, pooled over prompts; 95% interval bootstrapped over prompts")]
+    if summary.pass_rate_pruned is not None or summary.pass_rate_dense is not None:
+        rows.append(("Task pass rate, pruned",
+                     "n/a" if summary.pass_rate_pruned is None else interval_text(summary.pass_rate_pruned, "answers"),
+                     "measured: checked answers that passed their probe's check (number, substring, code run)"))
+        rows.append(("Task pass rate, dense",
+                     "no dense baseline" if summary.pass_rate_dense is None
+                     else interval_text(summary.pass_rate_dense, "answers"),
+                     "measured: the dense baseline runs' answers to the same checks"))
+    rows.append(("Continuation agreement (secondary)",
+                 "n/a" if summary.continuation_agreement_mean is None else pct(summary.continuation_agreement_mean),
+                 "measured: pruned vs dense argmax on the dense continuation (teacher-forced, more forgiving); "
+                 "full checks of a prunewatch engine only"))
+    rows.append(("Mean perplexity change",
+                 "n/a" if summary.perplexity_delta_pct_mean is None else f"{summary.perplexity_delta_pct_mean:+.2f}%",
+                 "measured: pruned vs dense perplexity of the dense continuation (same full checks)"))
+    rows.append(("Failed probe requests", f"{summary.results_failed} of {summary.results_total}",
+                 f"measured; by reason: {failures}"))
+    return rows
 
 
 def input_rows(result: RoiResult) -> list[dict[str, str]]:

@@ -228,3 +228,30 @@ def test_headlines_use_one_formatter() -> None:
     assert values["Savings / month"] == usd(35 * DAYS_PER_MONTH) == "$1,065"
     assert values["Payback"] == "29 days"
     assert usd(12.345) == "$12.35" and usd(-1234.4) == "-$1,234"
+
+
+def test_quality_kept_is_the_reference_scored_agreement_with_its_interval_and_pass_rates() -> None:
+    """Pooled over prompts (tokens of all a prompt's answers), bootstrapped over prompts; pass rates both ways."""
+    from dataclasses import replace
+
+    from prunewatch.roi.tables import quality_kept_text, quality_rows
+
+    scored = [replace(probe("tech-a"), reference_agreement=0.9, reference_tokens=10, task_passed=True),
+              replace(probe("tech-a", minutes=1), reference_agreement=0.7, reference_tokens=10, task_passed=False),
+              replace(probe("legal-b"), reference_agreement=1.0, reference_tokens=20, task_passed=True),
+              replace(probe("tech-a", sensitivity=0.0), task_passed=True),
+              replace(probe("legal-b", sensitivity=0.0), task_passed=True)]
+    summary = summarize(scored, WINDOW)
+    agreement = summary.reference_agreement
+    assert agreement["estimate"] == pytest.approx((9 + 7 + 20) / 40) and agreement["prompts"] == 2
+    assert agreement["low"] <= agreement["estimate"] <= agreement["high"]
+    assert summary.pass_rate_pruned["estimate"] == pytest.approx(2 / 3) and summary.pass_rate_dense["estimate"] == 1.0
+    assert quality_kept_text(summary).startswith("90.0% [") and "over 2 prompts" in quality_kept_text(summary)
+    rows = {figure: (value, how) for figure, value, how in quality_rows(summary)}
+    assert rows["Reference-scored agreement (quality kept)"][1].startswith("measured: share of the served answers")
+    assert rows["Task pass rate, pruned"][0].endswith("over 2 prompts (3 answers)")
+    assert rows["Task pass rate, dense"][0].startswith("100.0%")
+    assert "secondary" in next(f for f in rows if f.startswith("Continuation"))
+    unscored = summarize(measured_basis_results(), WINDOW)
+    assert unscored.reference_agreement is None and quality_kept_text(unscored).startswith("quality not scored")
+    assert "Task pass rate, pruned" not in {f for f, _, _ in quality_rows(unscored)}  # no checks ran: no row
