@@ -30,6 +30,7 @@ from prunewatch.alerts.slack import slack_text, slack_title
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store import ResultRepository, connect
+from tests.alerts.conftest import measured_range
 from tests.alerts.slack_receiver import SlackReceiver
 from tests.support.servers import (
     ProcessServer,
@@ -169,6 +170,28 @@ def test_alertmanager_retries_until_slack_is_back(stack: Stack) -> None:
     tech_posts = [p for p in stack.receiver.snapshot() if p.title == firing]
     assert [p.status for p in tech_posts][:2] == [500, 200] and post is tech_posts[1]
     stack.record("tech")
+
+
+def test_one_rules_file_holds_a_second_model_to_its_own_measured_lines(stack: Stack) -> None:
+    """The same rendered rules, a second model with a measured range: Prometheus fires on its own red and risk
+    lines (0.3 x 1.5 and x 2: 0.45, 0.6) with their source, below which the fallback (0.44) would have fired;
+    the Slack message quotes the measured line and how it was obtained."""
+    measured = measured_range(model="second-model", ratio=0.25, ratio_max=0.3)
+    stack.metrics.set_thresholds(measured.thresholds())
+    second = [dataclasses.replace(r, model="second-model", created_at=datetime.now(UTC), result_id=uuid.uuid4().hex,
+                                  pruning_ratio=0.5) for r in stack.results if r.domain == "legal" and not r.baseline]
+    for r in second:  # 0.5: above the 0.44 fallback red line and the 0.45 fallback risk line, under its own 0.6
+        stack.metrics.record(r)
+    firing = slack_title("firing", {"alertname": "PruningRatioQualityRisk", "severity": "warning",
+                                    "model": "second-model", "domain": "legal", "target": second[0].target})
+    post = stack.receiver.wait_for(lambda p: p.title == firing, DEADLINE_S)
+    assert post.path == "/slack-warning"
+    assert "above the red line 0.450, measured for second-model (calibration;" in post.text
+    alerts = [a for a in stack.prometheus_alerts() if a["labels"].get("model") == "second-model"]
+    assert {(a["labels"]["severity"], a["labels"]["source"]) for a in alerts} == {("warning", "calibration")}
+    for r in second:
+        stack.metrics.record(dataclasses.replace(r, created_at=datetime.now(UTC), result_id=uuid.uuid4().hex,
+                                                 pruning_ratio=0.2))
 
 
 def failed_notifications(stack: Stack) -> float:
