@@ -243,7 +243,8 @@ def test_mounted_prometheus_config_passes_promtool_with_its_rules(compose, tmp_p
     rules = yaml.safe_load((REPO / "prunewatch" / "alerts" / "rules.yml").read_text())
     count = sum(len(group["rules"]) for group in rules["groups"])
     assert "SUCCESS: 1 rule files found" in done.stdout
-    assert f"SUCCESS: {count} rules found" in done.stdout and count == 19  # 9 alerting (PruningGovernorClamped the last added), 10 recording
+    # 16 alerting (ratio, quality and latency rules each measured and fallback), 17 recording
+    assert f"SUCCESS: {count} rules found" in done.stdout and count == 33
 
 
 def test_prometheus_scrapes_the_compose_services(compose):
