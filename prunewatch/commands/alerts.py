@@ -22,10 +22,11 @@ def render_rules_command(
     out: Path = typer.Option(None, "--out", help="Write the rule file here (default: print it)."),
     check: bool = typer.Option(False, "--check", help="Do not write: exit 1 when --out differs from the rendering."),
     settings_file: Path = typer.Option(
-        None, "--settings", help="YAML of threshold fields, e.g. the tune-<target>-rules.yaml `prunewatch tune` writes "
-                                 "(PRUNEWATCH_RULE_* variables win over it)."),
+        None, "--settings", help="YAML of RuleSettings fields: fallbacks, hold times, optional SLOs (PRUNEWATCH_RULE_* "
+                                 "variables win over it). Each model's measured thresholds are series, not settings."),
 ) -> None:
-    """Render rules.yml from the PromQL constants and the thresholds (PRUNEWATCH_RULE_* variables, --settings file)."""
+    """Render rules.yml from the PromQL constants and the rule settings (PRUNEWATCH_RULE_* variables, --settings file):
+    one file for every model, whose measured thresholds it reads as series."""
     from prunewatch.alerts.rules import render_rules
     from prunewatch.alerts.settings import RuleSettings
     from prunewatch.probes import read_yaml

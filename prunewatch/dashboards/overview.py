@@ -50,7 +50,7 @@ def build_overview(settings: DashboardSettings) -> Json:
     layout = Layout()
     layout.add(row("Pruning"))
     layout.add(timeseries(
-        "Pruning ratio by domain (measured), with each model's thresholds",
+        "Pruning ratio by domain (measured)",
         "Share of the dense model's linear-layer FLOPs that were not executed, as counted by the engine, "
         "last probe of each probe id averaged per domain, and its 24h mean: the recorded series the "
         "ratio alerts evaluate. Dashed: the thresholds measured for each model (ratio_low, ratio_red_line, "

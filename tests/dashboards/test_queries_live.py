@@ -43,6 +43,7 @@ from prunewatch.records.governor_metrics import GovernorMetrics
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store import connect, create_schema
+from tests.alerts.conftest import measured_range
 from tests.dashboards.grafana_expand import Selection, expand_promql, expand_sql
 from tests.support.servers import free_port, prometheus_server
 
@@ -165,6 +166,7 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
     create_schema(db)
 
     metrics = CollectorMetrics()
+    metrics.set_thresholds(measured_range(model=probe_engine.name).thresholds())  # as `prunewatch run` exports them
     port = free_port()
     metrics_server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
     config = yaml.safe_dump({
@@ -174,7 +176,8 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
                             "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}],
     })
     plain, with_anomaly = _test_probes()
-    healthy = InProcessTarget(probe_engine, name="embedded", sensitivity=0.5)
+    # A full quality check: the reference-scored figures (primary) and the continuation ones (secondary panels).
+    healthy = InProcessTarget(probe_engine, name="embedded", sensitivity=0.5, quality="full")
     # A real misconfiguration: the engine refuses a sensitivity outside [0, 1] (invalid_request).
     misconfigured = InProcessTarget(probe_engine, name="misconfigured", sensitivity=1.5)
     exporters = [metrics, SqlExporter(db)]
@@ -461,3 +464,20 @@ def test_pruned_and_dense_latency_series_come_from_their_own_runs(live, dashboar
     assert {s["metric"]["domain"] for s in dense} == {r.domain for r in live.baselines}
     assert live.baselines and all(r.sensitivity == 0 and r.pruning_ratio == 0 for r in live.baselines)
     assert len(live.baselines) == sum(r.ok for r in live.results)  # each pruned probe had its dense twin
+
+
+def test_quality_panel_shows_the_interval_and_the_models_measured_floor(live, dashboards):
+    """The reference-scored agreement with its 95% interval (what QualityAgreementLow reads) and the model's
+    measured floor, from the threshold series the collector exports."""
+    overview = dashboards["prunewatch-overview.json"]
+    panel = "Reference-scored agreement of served answers (measured, 95% interval over prompts)"
+    estimate, low, high = (_query(live, overview, panel, ref) for ref in "ABC")
+    by = {ref: {s["metric"]["domain"]: float(s["value"][1]) for s in series}
+          for ref, series in zip("elh", (estimate, low, high))}
+    assert set(by["e"]) == set(DOMAINS)
+    for domain in DOMAINS:
+        assert by["l"][domain] <= by["e"][domain] <= by["h"][domain]
+    (floor,) = _query(live, overview, panel, "E")
+    assert floor["metric"] == {"model": live.model, "kind": "quality_floor", "source": "calibration"}
+    expected = {t.kind: t.value for t in measured_range(model=live.model).thresholds()}["quality_floor"]
+    assert float(floor["value"][1]) == pytest.approx(expected)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from prunewatch.commands.roi import report_command, roi_command
 from prunewatch.roi import Assumptions, Basis, Window, calculate, sensitivity
-from prunewatch.roi.formatting import pct, usd
+from prunewatch.roi.formatting import interval_text, usd
 from prunewatch.roi.measured import PROBE_MODEL_CAVEAT
 from prunewatch.roi.store import load_results
 from prunewatch.roi.tables import headlines
@@ -68,7 +68,14 @@ def test_report_command_writes_pdf_and_html_with_the_cores_numbers(collected_sql
     assert f"{summary.results_total} probe requests measured" in text
     # How "after" was derived, word for word, in the words of where the time was measured (CPU here).
     assert result.inputs.describe_basis().replace("GPU time", "CPU time") in text
-    assert f"Mean token agreement {pct(summary.continuation_agreement_mean)}" in text
+    # Quality kept: the reference-scored agreement with its interval and prompts, pass rates dense vs pruned.
+    assert summary.reference_agreement is not None
+    assert f"Reference-scored agreement (quality kept) {interval_text(summary.reference_agreement)}" in text
+    if summary.pass_rate_pruned is not None and summary.pass_rate_dense is not None:
+        assert "Task pass rate, pruned" in text and "Task pass rate, dense" in text
+    # The collector's default dense baselines (every 10th round, the first included): "before" is measured.
+    assert summary.dense_results > 0 and summary.has_dense_baseline
+    assert result.gpu_time.before_provenance.value == "measured"
     assert "Request volume 200,000 requests/day user-entered" in text
     assert " ".join(PROBE_MODEL_CAVEAT.split()) in text
     assert "GPU utilisation 70.0% fraction assumed-default" in text
