@@ -1,7 +1,8 @@
 """Measure a model's healthy operating range on held-out evaluation prompts (records/operating_range.py).
 
-The evaluation prompts of the probed domains run twice on the target: dense (sensitivity 0), then at the
-default sensitivity with every served answer scored by the dense reference. From the two rounds: the ratio
+The evaluation prompts of the probed domains run twice on the target, each prompt dense (sensitivity 0) and at
+the default sensitivity back to back (alternating which goes first), every served answer at the default scored
+by the dense reference. From the two rounds: the ratio
 at the default, the reference-scored agreement (95% interval over prompts, and each prompt's), the task pass
 rate both ways, and the per-token times both ways. `prunewatch run` measures it once per model (weights
 fingerprint) and caches it beside the calibration; `prunewatch tune` writes one from its sweep.
@@ -154,13 +155,19 @@ def load_or_measure(target: Any, reference: Reference | None, probe_set: ProbeSe
         return RangeOutcome(None, "none", "measuring the operating range is turned off: the alert rules use their "
                                           "fallbacks for this model", None)
     say = progress or (lambda _message: None)
-    say(f"operating range: {len(probe_set.probes)} evaluation prompts dense")
-    dense = run_round(target.with_overrides(sensitivity=0.0, quality=False), probe_set, [], timeout_s=timeout_s)
-    say(f"operating range: {len(probe_set.probes)} evaluation prompts at sensitivity {sensitivity:g}, scored by "
-        "the dense reference")
-    pruned = run_round(target.with_overrides(sensitivity=sensitivity, quality=False), probe_set, [],
-                       timeout_s=timeout_s, reference=reference)
-    measured = summarise(dense.results, pruned.results, model=model, fingerprint=fingerprint, source="calibration",
+    dense_target = target.with_overrides(sensitivity=0.0, quality=False)
+    pruned_target = target.with_overrides(sensitivity=sensitivity, quality=False)
+    dense: list[ProbeResult] = []
+    pruned: list[ProbeResult] = []
+    for index, probe in enumerate(probe_set.probes):
+        # Each prompt dense and pruned back to back, in alternating order: a neighbour's load on a shared host
+        # slows both runs of a pair, not one configuration's whole round.
+        one = ProbeSet((probe,), probe_set.source, probe_set.role)
+        say(f"operating range: prompt {index + 1}/{len(probe_set.probes)} dense and at sensitivity {sensitivity:g}")
+        order = ((dense_target, None, dense), (pruned_target, reference, pruned))
+        for runner, scorer, into in (order if index % 2 == 0 else order[::-1]):
+            into.extend(run_round(runner, one, [], timeout_s=timeout_s, reference=scorer).results)
+    measured = summarise(dense, pruned, model=model, fingerprint=fingerprint, source="calibration",
                          probe_set=probe_set, sensitivity=sensitivity,
                          engine=engine_configuration(engine_settings), device=device)
     measured.save(path)

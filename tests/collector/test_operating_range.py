@@ -82,3 +82,28 @@ def test_summarise_reads_the_dense_and_default_rounds() -> None:
     with pytest.raises(ValueError, match="nothing to measure"):
         summarise(dense, [], model="m", fingerprint="f", source="calibration", probe_set=probes, sensitivity=0.5,
                   engine={}, device="cpu")
+
+
+def test_measured_once_with_each_prompt_dense_and_pruned_back_to_back(tmp_path, probe_model_dir) -> None:
+    from tests.collector.test_prod_tune import CurveTarget, WordsReference
+
+    calls: list[float] = []
+
+    class Recorded(CurveTarget):
+        def with_overrides(self, *, sensitivity=None, layer_blacklist=None, quality=None):
+            return Recorded(sensitivity, layer_blacklist, self.with_quality)
+
+        def run_probe(self, probe):
+            calls.append(self.sensitivity)
+            return super().run_probe(probe)
+
+    probes = ProbeSet(load_probes().probes[:3], "evaluation.yaml")
+    defaults = EngineSettings(model_dir=probe_model_dir)
+    measured = load_or_measure(Recorded(), WordsReference(), probes, directory=tmp_path, model="curve-model",
+                               fingerprint="f" * 64, sensitivity=0.5, engine_settings=defaults, device="cpu: test")
+    assert measured.how == "measured" and calls == [0.0, 0.5, 0.5, 0.0, 0.0, 0.5]  # pairs, alternating order
+    assert measured.range.ratio == pytest.approx(0.25) and measured.range.agreement["estimate"] == pytest.approx(0.95)
+    assert measured.path == range_path(tmp_path, "curve-model", "f" * 64) and measured.path.is_file()
+    again = load_or_measure(Recorded(), WordsReference(), probes, directory=tmp_path, model="curve-model",
+                            fingerprint="f" * 64, sensitivity=0.5, engine_settings=defaults, device="cpu: test")
+    assert again.how == "loaded" and len(calls) == 6  # cached: not measured twice
