@@ -65,8 +65,8 @@ def _operating_range(settings: CollectorSettings, engine, reference, probe_set, 
     default = float(EngineSettings.model_fields["sensitivity"].default)
     if settings.operating_range:
         console.print(f"operating range of {engine.name}: cached, or measured now on {len(prompts.probes)} evaluation "
-                      f"prompts, dense and at sensitivity {default:g} (once per model: two probe rounds and their "
-                      "reference scores)")
+                      f"prompts, each dense and at sensitivity {default:g} with its reference score (once per model "
+                      "and weights)")
     try:
         with console.status(f"operating range: {len(prompts.probes)} evaluation prompts, dense and at sensitivity "
                             f"{default:g} (once per model)") as status:
