@@ -62,7 +62,9 @@ class DecodeMeasurement:
         return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
+# OpenAI allows 4; lm-eval's completions send a task's `until` strings plus the tokenizer's end-of-sequence text,
+# uncapped (5 for a task with 4). Checking one more costs one str.find per generated token.
+MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256  # streaming holds back one character less than the longest stop sequence
 
 
@@ -230,9 +232,11 @@ class PruningEngine:
         return list(ids)
 
     def render_raw(self, prompt: str) -> list[int]:
-        """Token ids of a plain-text completion prompt, without the chat template."""
+        """Token ids of a plain-text completion prompt, without the chat template, tokenized as given: no BOS
+        or other special token is added (as lm-eval's and OpenAI's clients count a prompt's tokens), so the
+        tokens an echo returns are the client's own."""
         try:
-            ids = self.loaded.tokenizer(prompt).input_ids
+            ids = self.loaded.tokenizer(prompt, add_special_tokens=False).input_ids
         except (TypeError, ValueError, UnicodeError) as exc:
             raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
         if not ids:
