@@ -290,8 +290,10 @@ def test_400_for_bad_pruning_headers_and_parameters(http: httpx.Client, engine: 
         ({}, {"max_completion_tokens": 40},
          error("max_completion_tokens is 40, above this server's limit of 16", param="max_completion_tokens",
                code="max_tokens_exceeded")),
-        ({}, {"stop": ["a", "b", "c", "d", "e"]},
-         error("at most 4 stop sequences, got 5", param="stop", code="invalid_value")),
+        ({}, {"stop": [f"s{i}" for i in range(17)]},
+         error("at most 16 stop sequences, got 17", param="stop", code="invalid_value")),
+        ({}, {"top_logprobs": 2}, error("top_logprobs needs logprobs: true", param="top_logprobs",
+                                        code="invalid_value")),
         ({}, {"stop": ["\n", ""]}, error("stop sequences must be non-empty strings", param="stop", code="invalid_value")),
         ({}, {"stop": "x" * 257},
          error("a stop sequence is longer than 256 characters", param="stop", code="invalid_value")),
@@ -330,10 +332,14 @@ def test_422_for_invalid_bodies(http: httpx.Client, engine: PruningEngine) -> No
         ({"model": engine.name, "prompt": ["one", "two"]}, error(
             "prompt: Value error, one prompt per request, got a list of 2; send several as /v1/batch items",
             param="prompt", code="validation_error")),
-        (chat_body(engine, logprobs=True), error("logprobs: Input should be False", param="logprobs",
-                                                 code="validation_error")),
-        ({"model": engine.name, "prompt": "hi", "echo": True}, error("echo: Input should be False", param="echo",
-                                                                     code="validation_error")),
+        (chat_body(engine, logprobs=True, top_logprobs=21), error(
+            "top_logprobs: Input should be less than or equal to 20", param="top_logprobs", code="validation_error")),
+        ({"model": engine.name, "prompt": "hi", "logprobs": 6}, error(
+            "logprobs: Input should be less than or equal to 5", param="logprobs", code="validation_error")),
+        ({"model": engine.name, "prompt": "hi", "suffix": "end"}, error(
+            "suffix: Input should be None", param="suffix", code="validation_error")),
+        ({"model": engine.name, "prompt": []}, error(
+            "prompt: Value error, the prompt is an empty list", param="prompt", code="validation_error")),
         ({"model": engine.name, "prompt": "\ud903 lone surrogate"}, error(
             "prompt: Value error, text must be valid Unicode (it holds a lone surrogate code point)",
             param="prompt", code="validation_error")),

@@ -86,7 +86,7 @@ def test_quality_is_scored_over_the_tokens_the_answer_kept(probe_engine) -> None
 
 
 @pytest.mark.parametrize("stop, message", [
-    (["a", "b", "c", "d", "e"], "at most 4 stop sequences, got 5"),
+    ([f"s{i}" for i in range(17)], "at most 16 stop sequences, got 17"),
     (["ok", ""], "stop sequences must be non-empty strings"),
     ("", "stop sequences must be non-empty strings"),
     (["x" * 257], "a stop sequence is longer than 256 characters"),
