@@ -79,10 +79,13 @@ def test_quality_is_scored_over_the_tokens_the_answer_kept(probe_engine) -> None
     whole = probe_engine.generate(PROMPT, max_new_tokens=TOKENS, sensitivity=1.0)
     assert whole.stats.pruning_ratio > 0.0  # the plan skips work, so quality re-runs the dense model
     stop, at = _middle_stop(whole.text)
-    pruned = probe_engine.generate(PROMPT, max_new_tokens=TOKENS, sensitivity=1.0, quality=True, stop=[stop])
+    pruned = probe_engine.generate(PROMPT, max_new_tokens=TOKENS, sensitivity=1.0, quality="full", stop=[stop])
     assert pruned.text == whole.text[:at] and pruned.stats.finish_reason == "stop"
     assert pruned.stats.quality is not None
     assert pruned.stats.quality.continuation_tokens == len(pruned.token_ids) < TOKENS
+    # The served answer is what the client received: its text, cut before the stop, tokenized again.
+    served = probe_engine.loaded.tokenizer(pruned.text, add_special_tokens=False).input_ids
+    assert pruned.served_ids == served and pruned.stats.quality.reference_tokens == len(served)
 
 
 @pytest.mark.parametrize("stop, message", [
