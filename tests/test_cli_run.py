@@ -55,16 +55,20 @@ def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_di
     with sqlite3.connect(db) as connection:
         rows = connection.execute(
             "SELECT round_id, probe_id, status, pruning_ratio, preprocessing_ms, inference_ms, postprocessing_ms, "
-            "tokens_per_s, ttft_ms, continuation_agreement FROM probe_results").fetchall()
+            "tokens_per_s, ttft_ms, reference_agreement, reference_tokens, served_nll, quality_source, task_passed "
+            "FROM probe_results").fetchall()
         rounds = connection.execute("SELECT COUNT(*) FROM collector_rounds WHERE finished_at IS NOT NULL").fetchone()
     assert rounds == (2,)
     assert len(rows) == 12
     per_round: dict[str, set[str]] = {}
-    for round_id, probe_id, status, ratio, pre, inference, post, tps, ttft, agreement in rows:
+    for (round_id, probe_id, status, ratio, pre, inference, post, tps, ttft, agreement, tokens, nll, source,
+         passed) in rows:
         assert status == "ok"
         assert 0.0 < ratio < 1.0
         assert pre > 0 and inference > 0 and post > 0 and tps > 0 and ttft > 0
-        assert 0.0 <= agreement <= 1.0
+        # Every served answer is scored by the engine's own weights run dense, and judged by its probe's check.
+        assert 0.0 <= agreement <= 1.0 and tokens > 0 and nll >= 0.0 and source == "reference:probe-llama"
+        assert passed in (0, 1)
         per_round.setdefault(round_id, set()).add(probe_id)
     assert len(per_round) == 2 and all(len(ids) == 6 for ids in per_round.values())
     # The calibration was measured once and cached for the next start.

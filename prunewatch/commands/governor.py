@@ -38,9 +38,12 @@ def status_command(
         typer.echo("no governor decisions" + (f" for target {target}" if target else "") + f" in {safe_url(db)}")
         return
     for d in latest:
-        agreement = "not measured" if d.agreement is None else f"{d.agreement:.4f}"
+        agreement = "not measured" if d.agreement is None else f"{d.agreement:.4f}" + (
+            f" [{d.agreement_low:.4f}, {d.agreement_high:.4f}] (95%, {d.tokens} tokens)"
+            if d.agreement_low is not None and d.agreement_high is not None else "")
         change = (f"{d.old_setting:g} -> {d.new_setting:g}" if d.changed else f"held at {d.new_setting:g}")
         typer.echo(f"{d.target} / {d.model} / {d.domain}: sensitivity {d.new_setting:g}")
-        typer.echo(f"  why: {d.reason} ({change}) at {d.decided_at:%Y-%m-%d %H:%M:%S} UTC; agreement {agreement} "
-                   f"over {d.probes} probe(s), floor {d.floor:g}, {d.good_rounds} good round(s) in a row, "
+        typer.echo(f"  why: {d.reason} ({change}) at {d.decided_at:%Y-%m-%d %H:%M:%S} UTC; reference-scored "
+                   f"agreement {agreement} over {d.probes} prompt(s), floor {d.floor:g}, {d.good_rounds} good "
+                   f"round(s) in a row, "
                    f"round {d.round_id or '-'}")

@@ -11,62 +11,29 @@ continuation, and every generation its own greedy answer, cut at the first stop 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support.servers import free_port
+from tests.support.servers import prunewatch_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TASKS = Path(__file__).parent / "lmeval_tasks"
-REPO = Path(__file__).parents[2]
 API_KEY = "sk-prunewatch-lmeval-key"
 MODEL = "probe-llama"
 
 
 @pytest.fixture(scope="module")
-def server(probe_model_dir: Path, calibration_dir: Path, tmp_path_factory) -> Iterator[str]:
-    """`prunewatch serve` at its defaults (sensitivity 0.5) with one API key; yields its base URL. Its cache
-    folder holds this session's calibrations, so it calibrates only if no other test has."""
-    cache = tmp_path_factory.mktemp("xdg-cache")
-    (cache / "prunewatch").mkdir()
-    (cache / "prunewatch" / "calibration").symlink_to(calibration_dir, target_is_directory=True)
-    log = cache / "serve.log"
-    port = free_port()
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PRUNEWATCH_API_KEYS": API_KEY}
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "prunewatch", "serve", "--model", str(probe_model_dir), "--device", "cpu",
-             "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 480
-        while True:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "prunewatch serve did not come up:\n" + log.read_text()[-3000:]
-            time.sleep(0.5)
+def server(probe_model_dir: Path, calibration_dir: Path) -> Iterator[str]:
+    """`prunewatch serve` at its defaults (sensitivity 0.5) with one API key; yields its base URL."""
+    with prunewatch_serve(probe_model_dir, env={"PRUNEWATCH_API_KEYS": API_KEY},
+                          calibration_dir=calibration_dir) as (base, _log):
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
