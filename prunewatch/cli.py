@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from prunewatch.cli_errors import fail, first_validation_error
+from prunewatch.cli_errors import fail, first_validation_error, needs_extra
 from prunewatch.engine.model_store import PROBE_MODEL_DIR
 from prunewatch.models_cli import MODEL_HELP, main_job_model, model_folder, models_app
 
@@ -321,6 +321,17 @@ def _mount_groups() -> None:
 _mount_groups()
 
 
+EXTRA_OF = {
+    **dict.fromkeys(("torch", "transformers", "tokenizers", "safetensors", "gguf", "accelerate"), "engine"),
+    **dict.fromkeys(("fastapi", "uvicorn"), "serve"),
+    **dict.fromkeys(("apscheduler", "psycopg"), "collector"),
+    **dict.fromkeys(("streamlit", "altair", "pandas", "reportlab"), "roi"),
+    "grafana_client": "dashboards",
+    "matplotlib": "all",  # plots of the engine, the collector's tune and the ROI report
+}
+"""Top-level module -> the extra that installs it: a command of a part that is not installed says which one."""
+
+
 def main() -> None:  # the console script and `python -m prunewatch`
     """The console script: the commands, and one line for a setting that a PRUNEWATCH_* variable set wrongly
     deep inside a command (a JSON-valued variable that is not JSON, a value out of its range)."""
@@ -329,6 +340,11 @@ def main() -> None:  # the console script and `python -m prunewatch`
 
     try:
         app()
+    except ModuleNotFoundError as exc:  # a part this install does not have (extras: pyproject.toml)
+        extra = EXTRA_OF.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        sys.exit(fail(needs_extra(exc, extra)).exit_code)
     except SettingsError as exc:  # a variable pydantic-settings could not even parse (JSON-valued fields)
         sys.exit(fail(f"invalid setting: {str(exc).splitlines()[0]}").exit_code)
     except ValidationError as exc:

@@ -179,8 +179,8 @@ def tune_command(
 
     from prunewatch.alerts.settings import RuleSettings
     from prunewatch.collector.fleet import FleetSettings, build_jobs, load_engine_cached
+    from prunewatch.collector.in_process import InProcessTarget
     from prunewatch.collector.target_config import TargetConfigError, load_targets
-    from prunewatch.collector.targets import InProcessTarget
     from prunewatch.collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
     from prunewatch.engine.errors import EngineError
     from prunewatch.models_cli import model_folder

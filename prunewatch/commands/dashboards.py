@@ -7,9 +7,8 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
-from prunewatch.cli_errors import fail, first_validation_error
+from prunewatch.cli_errors import fail, first_validation_error, needs_extra
 from prunewatch.dashboards.export import JSON_DIR, check_exported, export_dashboards
-from prunewatch.dashboards.push import GrafanaPushError, PushSettings, push_dashboards
 from prunewatch.dashboards.settings import DashboardSettings
 
 
@@ -58,6 +57,11 @@ def push_command(
 ) -> None:
     """Create or update the dashboards in a running Grafana (token from the GRAFANA_TOKEN variable)."""
     from prunewatch.dashboards.build import build_dashboards
+
+    try:
+        from prunewatch.dashboards.push import GrafanaPushError, PushSettings, push_dashboards
+    except ModuleNotFoundError as exc:
+        raise fail(needs_extra(exc, "dashboards"))
 
     dashboard_settings = _settings(usd_per_million_tokens, gpu_usd_per_hour)
     try:

@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 import prunewatch.collector.http_target as http_target
 from prunewatch.collector.fleet import FleetSettings, run_collector
 from prunewatch.collector.http_target import HttpTarget, StreamTiming, read_event_stream
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.scheduler import TargetJob
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.probes import Probe
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.store import ResultRepository, connect

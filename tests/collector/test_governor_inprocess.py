@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 from prunewatch.alerts.settings import RULES_PATH
 from prunewatch.collector.fleet import FleetSettings, run_collector
 from prunewatch.collector.governor import BREACH, RELAX, GovernorSettings, decide, governed
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.scheduler import TargetJob
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.probes import ProbeSet, load_probes
 from prunewatch.records.intervals import bootstrap_share
 from prunewatch.records.metrics import CollectorMetrics

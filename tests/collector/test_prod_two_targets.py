@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry
 
 from prunewatch.collector.fleet import FleetSettings, run_collector
 from prunewatch.collector.http_target import HttpTarget
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.scheduler import TargetJob
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.store import ResultRepository, connect
 from prunewatch.server.app import create_app

@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from types import ModuleType
 
@@ -27,7 +28,7 @@ from prunewatch.engine.paths import cache_root
 
 logger = logging.getLogger("prunewatch.engine.sparse")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "sparse_linear.cpp"
+SOURCE = Path(str(files("prunewatch.engine.sparse").joinpath("csrc", "sparse_linear.cpp")))
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""
 
