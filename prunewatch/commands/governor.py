@@ -5,6 +5,8 @@ Plain functions with typer options; the `prunewatch` app mounts them under `gove
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from prunewatch.cli_errors import fail
@@ -12,8 +14,8 @@ from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 def status_command(
-    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
-    target: str = typer.Option(None, "--target", "-t", help="Only this target."),
+    db: Annotated[str, typer.Option("--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store.")] = DEFAULT_STORE_URL,
+    target: Annotated[str | None, typer.Option("--target", "-t", help="Only this target.")] = None,
 ) -> None:
     """Print the current sensitivity per (target, model, domain) with the last decision and its evidence."""
     from sqlalchemy import inspect
