@@ -15,12 +15,12 @@ from sqlalchemy.orm import Session
 from prunewatch.collector.exporters import LogExporter, SqlExporter
 from prunewatch.collector.exposition import start_metrics_server
 from prunewatch.collector.governor import GovernedTarget, Governor, GovernorSettings, start_governing
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.live_table import round_table
 from prunewatch.collector.probe_round import RoundSummary
 from prunewatch.collector.reference import EngineReference
 from prunewatch.collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
 from prunewatch.collector.settings import CollectorSettings
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.engine import EngineSettings, PruningEngine
 from prunewatch.engine.loading import check_model_dir
 from prunewatch.probes import load_calibration_set, load_probes
@@ -178,9 +178,8 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
 
     job = TargetJob(target, probe_set, settings.interval_s, baseline_every=settings.baseline_every or None,
                     reference=reference)
-    scheduler = ProbeScheduler([target], probe_set, [sql, metrics, LogExporter()], interval_s=settings.interval_s,
-                               rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round,
-                               jobs=[job])
+    scheduler = ProbeScheduler([job], [sql, metrics, LogExporter()], rounds=settings.rounds,
+                               misfire_grace_s=settings.misfire_grace_s, on_round=on_round)
     try:
         with live:
             run_until_done(scheduler, on_interrupt=lambda: console.print("stopping: finishing the probe in flight"))

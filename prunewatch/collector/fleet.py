@@ -32,7 +32,7 @@ from prunewatch.collector.reference import ChatTemplate, EngineReference, HttpRe
 from prunewatch.collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
 from prunewatch.collector.spool import DiskSpool
 from prunewatch.collector.target_config import CollectorConfig, ReferenceSpec, ResolvedTarget, TargetConfigError
-from prunewatch.collector.targets import InProcessTarget, Target
+from prunewatch.collector.targets import Target
 from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, ProbeSet, load_calibration_set
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
@@ -141,6 +141,8 @@ def build_target(spec: ResolvedTarget, probe_set: ProbeSet, *, calibration_dir: 
     """A live Target for one resolved config entry (loads the engine for in_process targets). An in_process
     target does not check its own quality: its job's reference scores what it served (build_jobs)."""
     if spec.kind == "in_process":
+        from prunewatch.collector.in_process import InProcessTarget  # the engine, and torch, only when asked for
+
         engine = load_engine_cached(spec.model_dir, spec.device, calibration_dir,
                                     engines if engines is not None else {})
         return InProcessTarget(engine, name=spec.name, sensitivity=spec.sensitivity, quality=False)
@@ -174,8 +176,8 @@ def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir:
                 except ReferenceError as exc:
                     raise TargetConfigError(f"{config.source}: reference {spec.reference.name}: {exc}") from None
             reference = references[spec.reference.name]
-        elif isinstance(target, InProcessTarget):
-            reference = EngineReference(target.engine)  # its own weights, run dense
+        elif spec.kind == "in_process":
+            reference = EngineReference(target.engine)  # type: ignore[attr-defined]  # its own weights, run dense
         if governor is not None and spec.name in governed_settings:
             target = GovernedTarget(target, governor)  # probes run at the governed sensitivity of their domain
         jobs.append(TargetJob(target,
@@ -245,7 +247,7 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
         if on_round is not None:
             on_round(summary)
 
-    scheduler = ProbeScheduler([], None, [store, metrics, LogExporter()], jobs=jobs, rounds=settings.rounds,
+    scheduler = ProbeScheduler(jobs, [store, metrics, LogExporter()], rounds=settings.rounds,
                                misfire_grace_s=settings.misfire_grace_s, on_round=round_done)
     try:
         run_until_done(scheduler, stop)

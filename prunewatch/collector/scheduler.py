@@ -42,32 +42,22 @@ class TargetJob:
 
 
 class ProbeScheduler:
-    """Runs `run_round` for each target every `interval_s`, first round immediately."""
+    """Runs `run_round` for each job's target every job's `interval_s`, first round immediately."""
 
     def __init__(
         self,
-        targets: Sequence[Target],
-        probe_set: ProbeSet | None,
+        jobs: Sequence[TargetJob],
         exporters: Sequence[Exporter],
         *,
-        interval_s: float = 30.0,
         rounds: int | None = None,
         misfire_grace_s: float = 60.0,
         on_round: Callable[[RoundSummary], None] | None = None,
-        jobs: Sequence[TargetJob] | None = None,
     ) -> None:
-        if jobs is None:
-            if probe_set is None:
-                raise ValueError("a probe set is needed when no jobs are given")
-            jobs = [TargetJob(t, probe_set, interval_s) for t in targets]
         names = [job.target.name for job in jobs]
         if len(set(names)) != len(names):
             raise ValueError(f"target names must be unique, got {names}")
         self.jobs = list(jobs)
-        self.targets = [job.target for job in self.jobs]
-        self.probe_set = probe_set
         self.exporters = list(exporters)
-        self.interval_s = interval_s
         self.rounds = rounds
         self.on_round = on_round
         self.stop_event = threading.Event()  # set: finish the current probe, then stop

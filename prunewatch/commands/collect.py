@@ -179,9 +179,9 @@ def tune_command(
 
     from prunewatch.alerts.settings import RuleSettings
     from prunewatch.collector.fleet import FleetSettings, build_jobs, load_engine_cached
+    from prunewatch.collector.in_process import InProcessTarget
     from prunewatch.collector.reference import EngineReference
     from prunewatch.collector.target_config import TargetConfigError, load_targets
-    from prunewatch.collector.targets import InProcessTarget
     from prunewatch.collector.tune import TuneError, TuneSettings, tune, write_operating_range, write_report
     from prunewatch.engine.errors import EngineError
     from prunewatch.engine.settings import EngineSettings

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prunewatch.engine.logprobs import TokenLogprob
+
 RATIO_UNIT = "linear_flops"
 """The pruning ratio's unit: FLOPs of the linear (matmul) layers, 2 x in x out per token row.
 
@@ -96,3 +98,10 @@ class GenerationResult:
     token_ids: list[int]  # every generated token, end of sequence included
     stats: RequestStats
     served_ids: list[int] | None = None  # the tokens the client received: no end of sequence, none past a stop cut
+    # Asked for with logprobs: every token of `text` (and the end of sequence, if it ended so) with its
+    # log-probability; `offset` counts characters of `text`. None when not asked for.
+    logprobs: list[TokenLogprob] | None = None
+    # Asked for with echo: the prompt as its tokens decode, and with logprobs its tokens' entries (the
+    # first one's logprob is None); `offset` counts characters of `prompt_text`.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None

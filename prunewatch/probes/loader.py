@@ -18,6 +18,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from prunewatch.probes.checks import Check, CheckSpec
 
-DEFAULT_PROBES_PATH = Path(__file__).resolve().parent / "canonical.yaml"
+DEFAULT_PROBES_PATH = Path(str(files("prunewatch.probes").joinpath("canonical.yaml")))
 """The collector's default probes: the canonical legal, tech and finance prompts (role evaluation)."""
-EVALUATION_PATH = Path(__file__).resolve().parent / "evaluation.yaml"
+EVALUATION_PATH = Path(str(files("prunewatch.probes").joinpath("evaluation.yaml")))
 """The broad held-out evaluation set (role evaluation) benchmarks and defaults are judged on."""
-CALIBRATION_PATH = Path(__file__).resolve().parent / "calibration.yaml"
+CALIBRATION_PATH = Path(str(files("prunewatch.probes").joinpath("calibration.yaml")))
 """The calibration set (role calibration) every engine is calibrated on."""
 ROLES = ("calibration", "evaluation")
 
@@ -181,7 +182,7 @@ def load_calibration_set(path: Path | str = CALIBRATION_PATH) -> ProbeSet:
     return probe_set
 
 
-HELDOUT_PATH = Path(__file__).resolve().parent / "heldout.txt"
+HELDOUT_PATH = Path(str(files("prunewatch.probes").joinpath("heldout.txt")))
 
 
 def heldout_texts(path: Path = HELDOUT_PATH) -> list[str]:

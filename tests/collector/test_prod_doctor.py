@@ -152,7 +152,7 @@ def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, pro
 
     empty = tmp_path / "empty"
     checks = {c.name: c for c in diagnose_in_process(spec, probe_set, calibration_dir=empty)}
-    assert checks["calibration"].status == "FAIL" and "no calibration for this model and probe set" in checks[
+    assert checks["calibration"].status == "FAIL" and "no calibration for this model and the calibration set" in checks[
         "calibration"].detail
     assert checks["ratio plausible"].status == "FAIL" and "(fallback: uncalibrated)" in checks["ratio plausible"].detail
 

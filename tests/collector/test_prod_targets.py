@@ -10,8 +10,9 @@ from sqlalchemy import text
 
 from prunewatch.collector.exporters import SqlExporter
 from prunewatch.collector.http_target import HttpTarget, parse_stats_header
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.probe_round import run_round
-from prunewatch.collector.targets import InProcessTarget, ProbeCancelledError
+from prunewatch.collector.targets import ProbeCancelledError
 from prunewatch.probes import ProbeSet
 from prunewatch.records.store import connect, create_schema
 from prunewatch.server.app import create_app
