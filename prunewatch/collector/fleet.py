@@ -105,15 +105,18 @@ class FleetOutcome:
 
 def load_engine_cached(model_dir: Path, device: str, probe_set: ProbeSet, calibration_dir: Path | None,
                        cache: dict) -> object:
-    """One engine per (model folder, device), calibrated on the probe set (cached on disk)."""
+    """One engine per (model folder, device), calibrated on the probe set (cached on disk); this thread's OpenMP
+    team is released after, as the engine's probes run on its generation thread (prunewatch/engine/threads.py)."""
     from prunewatch.engine import EngineSettings, PruningEngine
     from prunewatch.engine.loading import check_model_dir
+    from prunewatch.engine.threads import release_openmp_team
 
     key = (str(Path(model_dir).resolve()), device)
     if key not in cache:
         check_model_dir(model_dir)
         engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device=device, calibration_dir=calibration_dir))
         engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+        release_openmp_team()  # probes run on the engine's generation thread: this thread's team would be a second
         cache[key] = engine
     return cache[key]
 

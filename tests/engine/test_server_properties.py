@@ -69,6 +69,7 @@ class FakeEngine:
     loaded = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256)),
                              device=SimpleNamespace(type="cpu"))
     context_window = 256
+    settings = SimpleNamespace(threads=None)  # the generation threads' intra-op threads: their share of the cores
 
     def render_raw(self, prompt: str) -> list[int]:
         ids = list(prompt.encode("utf-8"))
