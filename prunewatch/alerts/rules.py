@@ -51,8 +51,8 @@ RECORDING_RULES: tuple[tuple[str, str], ...] = (
     ("prunewatch:pruning_ratio_avg:last", PROMQL_RATIO_BY_DOMAIN),
     ("prunewatch:inference_latency_p99:5m", PROMQL_LATENCY_P99),
     ("prunewatch:probe_failure_rate:15m", PROMQL_FAILURE_RATE),
-    ("prunewatch:token_agreement_avg:1h", PROMQL_AGREEMENT_AVG_1H),
-    ("prunewatch:token_agreement_avg:last", PROMQL_AGREEMENT_BY_DOMAIN),
+    ("prunewatch:continuation_agreement_avg:1h", PROMQL_AGREEMENT_AVG_1H),
+    ("prunewatch:continuation_agreement_avg:last", PROMQL_AGREEMENT_BY_DOMAIN),
 )
 """Derived figures recorded for dashboards, each a PROMQL_* constant verbatim (bucket counts come on top)."""
 

@@ -9,6 +9,7 @@ copy of the numbers.
 from __future__ import annotations
 
 from datetime import timedelta
+from importlib.resources import files
 from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
@@ -16,10 +17,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prunewatch.alerts.durations import PromDuration
 
-RULES_PATH = Path(__file__).resolve().parent / "rules.yml"
+RULES_PATH = Path(str(files("prunewatch.alerts").joinpath("rules.yml")))
 """The committed rule file, rendered from `RuleSettings()` defaults."""
 
-ALERTMANAGER_PATH = Path(__file__).resolve().parent / "alertmanager.yml"
+ALERTMANAGER_PATH = Path(str(files("prunewatch.alerts").joinpath("alertmanager.yml")))
 """The committed Alertmanager configuration; the embedded evaluator applies its inhibit_rules."""
 
 

@@ -340,9 +340,9 @@ def run_speed(config: EngineBenchConfig, device: str = "cpu") -> tuple[dict, lis
 
 def _texts(config: EngineBenchConfig) -> tuple[list[str], list[str]]:
     """(calibration texts, held-out texts): probe texts and a licence for one, other licences for the other."""
-    from prunewatch.probes import load_probes
+    from prunewatch.probes import load_calibration_set
 
-    calibration = [t for texts in load_probes().calibration_texts().values() for t in texts]
+    calibration = [t for texts in load_calibration_set().calibration_texts().values() for t in texts]
     calibration.append((LICENSES / "Apache-2.0").read_text()[:4000])
     held_out = [(LICENSES / name).read_text()[start:start + 6000]
                 for name, start in (("GPL-3", 2000), ("MPL-2.0", 0), ("LGPL-3", 0), ("Artistic", 0))]

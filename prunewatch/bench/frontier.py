@@ -1,16 +1,16 @@
 """The pruning frontier: decode pruning ratio against quality for each mechanism and allocation, one run.
 
-Every point runs every canonical probe through the engine as a request would (prunewatch.bench.mechanisms'
+Every point runs every evaluation prompt through the engine as a request would (prunewatch.bench.mechanisms'
 loop: configurations interleaved per probe, order rotating, dense first as the speed baseline) and
-reports the measured decode-phase pruning ratio, token agreement with the dense continuation
-(teacher-forced, prunewatch.engine.quality.score_against_dense), held-out perplexity delta
+reports the measured decode-phase pruning ratio, the reference-scored agreement and pass rate of the
+served answers with their intervals, held-out perplexity delta
 (prunewatch.engine.quality.heldout_perplexity_delta on prunewatch/probes/heldout.txt) and decode speedup over dense.
 
 Curves (each a sweep of the activation-sparsity target at sensitivity 1 unless named otherwise):
 - teal-uniform: |x| thresholds, every layer the same target (TEAL's rule), the baseline;
 - wina-uniform: |x| * ||W[:, i]|| thresholds (WINA), uniform;
 - greedy: |x| thresholds, spread by the calibrated greedy plan (prunewatch/engine/sparse/calibration.py: sparsify
-  first where the estimated output error grows least per skipped FLOP, fitted on the probes' prompts,
+  first where the estimated output error grows least per skipped FLOP, fitted on the calibration set's prompts,
   never on the continuations or held-out text scored here);
 - bypass, heads: layer bypass and head gating budgets alone;
 - combination: the greedy plan with a small head budget;
@@ -22,10 +22,13 @@ Curves (each a sweep of the activation-sparsity target at sensitivity 1 unless n
 Each allocation/score pair has its own engine (the thresholds are fixed when the kernel is installed);
 they share the interleaved loop, so machine load hits every point alike.
 
-The check written with the results: for every agreement level a in [0.90, 0.99] the engine default's
-curve reaches a decode ratio at least TEAL-uniform's, and at a >= 0.95 at least twice it, where a
-curve's ratio at a is the highest measured decode ratio among its points with agreement >= a
-(dense counts as ratio 0 at agreement 1).
+Quality is the reference-scored agreement of the served answers on the held-out evaluation set
+(prunewatch.bench.mechanisms), with 95% intervals bootstrapped over prompts. The check written with the
+results: for every agreement level a in [0.90, 0.99], the engine default's curve reaches a decode ratio
+at least TEAL-uniform's (a curve's ratio at a is the highest measured decode ratio among its points with
+agreement estimate >= a; dense counts as ratio 0 at agreement 1), and no TEAL point beats the default
+curve's nearest point at or above its ratio with separated intervals. Differences are claimed only where
+the intervals separate.
 """
 
 from __future__ import annotations
@@ -44,16 +47,20 @@ from pydantic import Field
 from prunewatch.bench.mechanisms import (
     DENSE,
     PROBE_MODEL,
+    QUALITY_METHOD,
     RESULTS,
     Mechanisms,
     _aggregate,
     _engine,
+    agreement_bar,
     finish_quality_figure,
+    interval_text,
     measure_points,
 )
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.settings import OUTPUT_HEAD_FULL_AT
 from prunewatch.engine.sparse.calibration import SparsityCalibration, sparsity_calibration_path
+from prunewatch.probes import load_calibration_set
 
 AGREEMENT_RANGE = (0.90, 0.99)
 DOUBLE_FROM = 0.95  # at agreement >= this, the default's ratio must be >= 2x TEAL-uniform's
@@ -124,10 +131,19 @@ def ratio_at(points: list[dict], agreement: float) -> float:
     return max([p["decode_pruning_ratio"] for p in points if p["agreement"] >= agreement - 1e-9] + [0.0])
 
 
+def _separated(a: dict, b: dict) -> bool:
+    """The agreement intervals of two points do not overlap: only then is a quality difference claimed."""
+    return a["agreement_low"] > b["agreement_high"] or b["agreement_low"] > a["agreement_high"]
+
+
 def check(rows: list[dict]) -> dict:
-    """Whether the engine default's curve dominates TEAL-uniform over AGREEMENT_RANGE (and doubles it
-    from DOUBLE_FROM); the default's curve is its own point plus every sweep point with its allocation,
-    score and output-head target and no other mechanism."""
+    """The engine default's curve against TEAL-uniform, with intervals.
+
+    The envelope table reads each curve by its agreement estimates: for every level a in AGREEMENT_RANGE, the
+    highest decode ratio among its points with agreement >= a. Estimates alone claim nothing: each TEAL point is
+    also paired with the default curve's point of the nearest decode ratio at or above its own, and a quality
+    difference is claimed only where the two agreement intervals separate. The default's curve is its own point
+    plus every sweep point with its allocation, score and output-head target and no other mechanism."""
     default = next((r for r in rows if r["curve"] == "engine default"), None)
     if default is None:
         return {"met": False, "reason": "no engine default point"}
@@ -144,22 +160,40 @@ def check(rows: list[dict]) -> dict:
         theirs, mine = ratio_at(teal, level), ratio_at(ours, level)
         table.append({"agreement": level, "teal_uniform_ratio": round(theirs, 4), "default_ratio": round(mine, 4),
                       "dominates": mine >= theirs, "at_least_double": mine >= 2 * theirs if level >= DOUBLE_FROM else None})
+    pairs = []
+    for point in sorted(teal, key=lambda r: r["decode_pruning_ratio"]):
+        above = [r for r in ours if r["decode_pruning_ratio"] >= point["decode_pruning_ratio"]]
+        if not above:
+            continue
+        match = min(above, key=lambda r: r["decode_pruning_ratio"])
+        separated = _separated(match, point)
+        pairs.append({"teal": point["name"], "teal_ratio": point["decode_pruning_ratio"],
+                      "teal_agreement": [point["agreement"], point["agreement_low"], point["agreement_high"]],
+                      "ours": match["name"], "our_ratio": match["decode_pruning_ratio"],
+                      "our_agreement": [match["agreement"], match["agreement_low"], match["agreement_high"]],
+                      "separated": separated,
+                      "claim": ("ours better" if separated and match["agreement"] > point["agreement"] else
+                                "ours worse" if separated else "no difference claimed")})
     dominates = all(row["dominates"] for row in table)
     doubles = all(row["at_least_double"] for row in table if row["at_least_double"] is not None)
     teal_at_default = ratio_at(teal, default["agreement"])
     return {
-        "rule": ("ratio at agreement a = highest measured decode ratio among a curve's points with agreement >= a; "
-                 f"default curve dominates TEAL-uniform for a in {list(AGREEMENT_RANGE)} and is >= 2x it for "
-                 f"a >= {DOUBLE_FROM}"),
+        "rule": ("ratio at agreement a = highest measured decode ratio among a curve's points with agreement estimate "
+                 ">= a (table); a quality difference between two points is claimed only where their 95% agreement "
+                 "intervals separate (pairs)"),
         "default_curve": sorted(r["name"] for r in ours),
         "by_agreement": table,
+        "pairs": pairs,
+        "ours_better": sum(p["claim"] == "ours better" for p in pairs),
+        "ours_worse": sum(p["claim"] == "ours worse" for p in pairs),
         "dominates": dominates,
         "doubles_from_0_95": doubles,
         "default_point": {"decode_pruning_ratio": default["decode_pruning_ratio"], "agreement": default["agreement"],
+                          "agreement_interval": [default["agreement_low"], default["agreement_high"]],
                           "teal_uniform_ratio_at_its_agreement": round(teal_at_default, 4),
                           "times_teal": round(default["decode_pruning_ratio"] / teal_at_default, 2)
                           if teal_at_default > 0 else None},
-        "met": dominates and doubles,
+        "met": dominates and not any(p["claim"] == "ours worse" for p in pairs),
     }
 
 
@@ -191,15 +225,16 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
                                      heldout=heldout)
     for variant, engine in engines.items():
         engine.settings = bases[variant]
-    dense_tps = statistics.median(s.decode_tokens_per_s for s in collected[DENSE_POINT.name])
+    dense = collected[DENSE_POINT.name]
+    dense_tps = statistics.median(a.stats.decode_tokens_per_s for a in dense)
     rows = []
     for point in points:
-        row = asdict(_aggregate(point, collected[point.name], dense_tps, held[point.name]))
+        row = asdict(_aggregate(point, collected[point.name], dense, dense_tps, held[point.name]))
         row.update(curve=point.curve, allocation=point.allocation, score=point.score, sensitivity=point.sensitivity)
         rows.append(row)
     some = next(iter(engines.values()))
     greedy = next((e for (allocation, _), e in engines.items() if allocation == "greedy"), None)
-    plan = _plan_summary(greedy, probe_set.digest) if greedy is not None else None
+    plan = _plan_summary(greedy, load_calibration_set().digest) if greedy is not None else None
     result = {
         "device": "cpu",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -212,7 +247,7 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
         "method": {
             "decode_pruning_ratio": "measured: 1 - executed / dense linear FLOPs of the decode steps (LM head included; "
                                     "it skips work only at points with an output-head target)",
-            "agreement": "measured: teacher-forced argmax match on the probe's dense continuation",
+            **QUALITY_METHOD,
             "heldout_perplexity_delta_pct": "measured: teacher-forced NLL of prunewatch/probes/heldout.txt, pruned vs dense",
             "speedup": "measured: median decode tokens/s over the dense point's, same run, interleaved",
             "activation_sparsity_budget": "target at sensitivity 1; each request scales it by its effective "
@@ -271,6 +306,8 @@ def write_plot(result: dict, path: Path) -> None:
         rows = sorted((r for r in result["rows"] if r["curve"] == curve), key=lambda r: r["decode_pruning_ratio"])
         if not rows:
             continue
+        for r in rows:
+            agreement_bar(agree, r, color)
         for axis, key in ((agree, "agreement"), (ppl, "heldout_perplexity_delta_pct")):
             axis.plot([r["decode_pruning_ratio"] for r in rows], [r[key] for r in rows], style, color=color,
                       label=curve, ms=12 if curve == "engine default" else 6)
@@ -282,16 +319,19 @@ def write_plot(result: dict, path: Path) -> None:
                               textcoords="offset points")
     agree.axhspan(*AGREEMENT_RANGE, color="grey", alpha=0.08, label="checked agreement range")
     verdict = "met" if result["check"].get("met") else "not met"
-    finish_quality_figure(fig, agree, ppl, path, "token agreement with the dense continuation",
-                          f"{result['model']['name']}: pruning frontier ({len(result['probes'])} probes x "
-                          f"{result['max_new_tokens']} tokens); default vs TEAL-uniform check {verdict}")
+    finish_quality_figure(fig, agree, ppl, path, "reference-scored agreement of the served answers (95% interval)",
+                          f"{result['model']['name']}: pruning frontier ({len(result['probes'])} held-out prompts, "
+                          f"up to {result['max_new_tokens']} tokens); default vs TEAL-uniform check {verdict}")
 
 
 def format_table(result: dict) -> str:
-    lines = ["| point | curve | decode ratio | agreement | ppl delta (held-out) | speedup |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| point | curve | decode ratio | agreement [95% CI] | pass rate [95% CI] | ppl delta (held-out) "
+             "| speedup |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['name']} | {r['curve']} | {r['decode_pruning_ratio']:.3f} | {r['agreement']:.3f} "
+        lines.append(f"| {r['name']} | {r['curve']} | {r['decode_pruning_ratio']:.3f} "
+                     f"| {interval_text(r['agreement'], r['agreement_low'], r['agreement_high'])} "
+                     f"| {interval_text(r['pass_rate'], r['pass_low'], r['pass_high'])} "
                      f"| {r['heldout_perplexity_delta_pct']:+.2f}% | {r['speedup']:.2f} |")
     return "\n".join(lines)
 

@@ -68,7 +68,7 @@ def sample_result(i: int, round_id: str, model: str = "probe-llama", domain: str
         executed_flops=123_456_789, dense_flops=176_366_841, layers_bypassed=[2, 3, 5], layers_total=12,
         heads_gated=0, activation_sparsity=0.0, prompt_tokens=40, completion_tokens=64, preprocessing_ms=2.5,
         inference_ms=850.0, postprocessing_ms=40.0, ttft_ms=30.0, tokens_per_s=75.0, decode_tokens_per_s=80.0,
-        token_agreement=0.98, perplexity_delta_pct=1.2, matched_domain=domain, domain_confidence=0.8,
+        continuation_agreement=0.98, perplexity_delta_pct=1.2, matched_domain=domain, domain_confidence=0.8,
         fallback_reason=None, peak_memory_bytes=1_000_000, dram_bytes_per_instruction=3.2, dram_source="estimate",
         duration_ms=900.0, output_text="The routing table is shown by ip route show; " * 4)
 

@@ -224,11 +224,11 @@ def _load_real(model_dir: Path, calibration_dir: Path | None, device: str = "cpu
     from transformers import AutoModelForCausalLM
 
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.probes import load_probes
+    from prunewatch.probes import load_calibration_set
 
     engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device=device, log_level="NONE",
                                                calibration_dir=calibration_dir))
-    probe_set = load_probes()
+    probe_set = load_calibration_set()
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.loaded.dtype).to(engine.loaded.device).eval()
     return _Subject(model_dir.name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, REAL_WEIGHTS), model_dir)
@@ -242,7 +242,7 @@ def _load_shape(shape, calibration_dir: Path, seed: int = 0, texts_per_domain: i
     from prunewatch.bench.engine import build_speed_model
     from prunewatch.engine import EngineSettings, PruningEngine
     from prunewatch.engine.loading import LoadedModel
-    from prunewatch.probes import load_probes
+    from prunewatch.probes import load_calibration_set
 
     place = torch.device(device)
     dtype = torch.float32 if place.type == "cpu" else torch.bfloat16  # as prunewatch.engine.loading serves each device
@@ -254,7 +254,7 @@ def _load_shape(shape, calibration_dir: Path, seed: int = 0, texts_per_domain: i
                          device=place, dtype=dtype, fingerprint=f"{name}-seed{seed}")
     engine = PruningEngine(loaded, EngineSettings(model_dir=PROBE_MODEL_DIR, device=place.type, log_level="NONE",
                                                   calibration_dir=calibration_dir))
-    probe_set = load_probes()
+    probe_set = load_calibration_set()
     texts = {d: list(t)[:texts_per_domain] for d, t in probe_set.calibration_texts().items()}
     engine.load_or_calibrate(texts, f"{probe_set.digest[:8]}-first{texts_per_domain}")
     return _Subject(name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, f"random (seed {seed})"))

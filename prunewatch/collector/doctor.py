@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from prunewatch.collector.http_target import RATIO_HEADER, STATS_HEADER, HttpTarget
 from prunewatch.collector.target_config import ResolvedTarget
-from prunewatch.probes import Probe, ProbeSet
+from prunewatch.probes import Probe, ProbeSet, load_calibration_set
 
 MAX_CLOCK_SKEW_S = 5.0  # beyond this, dashboards and alert windows disagree about "now"
 
@@ -273,16 +273,17 @@ def diagnose_in_process(spec: ResolvedTarget, probe_set: ProbeSet, *, calibratio
                             f"set model: {engine.name} (or remove it)"))
     else:
         checks.append(_pass("model listed", f"{engine.name}"))
-    path = engine.calibration_path(probe_set.digest)
+    calibration_set = load_calibration_set()
+    path = engine.calibration_path(calibration_set.digest)
     if not path.is_file():
-        checks.append(_fail("calibration", f"no calibration for this model and probe set at {path}",
+        checks.append(_fail("calibration", f"no calibration for this model and the calibration set at {path}",
                             "start the collector once (`prunewatch run` or `prunewatch collect` calibrates at start) "
                             "or run prunewatch calibrate"))
     else:
         try:
             engine.use_calibration(Calibration.load(path))
             if engine.settings.activation_sparsity > 0.0:  # probe the engine as the collector runs it
-                engine.enable_activation_sparsity(probe_set.calibration_texts(), probe_set.digest)
+                engine.enable_activation_sparsity(calibration_set.calibration_texts(), calibration_set.digest)
             checks.append(_pass("calibration", f"{path.name} matches the model's weights fingerprint"))
         except EngineError as exc:
             checks.append(_fail("calibration", str(exc), "recalibrate: prunewatch calibrate --model DIR"))

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,11 +28,12 @@ from prunewatch.collector.governor import GovernedTarget, Governor, governor_of,
 from prunewatch.collector.http_target import HttpTarget
 from prunewatch.collector.probe_round import RoundSummary
 from prunewatch.collector.pushgateway import Pushgateway
+from prunewatch.collector.reference import ChatTemplate, EngineReference, HttpReference, Reference, ReferenceError
 from prunewatch.collector.scheduler import ProbeScheduler, RoundTotals, TargetJob, run_until_done
 from prunewatch.collector.spool import DiskSpool
-from prunewatch.collector.target_config import CollectorConfig, ResolvedTarget, TargetConfigError
-from prunewatch.collector.targets import InProcessTarget, Target
-from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, ProbeSet
+from prunewatch.collector.target_config import CollectorConfig, ReferenceSpec, ResolvedTarget, TargetConfigError
+from prunewatch.collector.targets import Target
+from prunewatch.probes import DEFAULT_PROBES_PATH, ProbeFileError, ProbeSet, load_calibration_set
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 from prunewatch.records.store import StoreUnavailableError, connect
@@ -103,10 +105,9 @@ class FleetOutcome:
     buffered: int  # records still on disk at exit (written by the next start)
 
 
-def load_engine_cached(model_dir: Path, device: str, probe_set: ProbeSet, calibration_dir: Path | None,
-                       cache: dict) -> object:
-    """One engine per (model folder, device), calibrated on the probe set (cached on disk); this thread's OpenMP
-    team is released after, as the engine's probes run on its generation thread (prunewatch/engine/threads.py)."""
+def load_engine_cached(model_dir: Path, device: str, calibration_dir: Path | None, cache: dict) -> Any:
+    """One engine per (model folder, device), calibrated on the calibration set (cached on disk); this thread's
+    OpenMP team is released after, as the engine's probes run on its generation thread (prunewatch/engine/threads.py)."""
     from prunewatch.engine import EngineSettings, PruningEngine
     from prunewatch.engine.loading import check_model_dir
     from prunewatch.engine.threads import release_openmp_team
@@ -115,19 +116,35 @@ def load_engine_cached(model_dir: Path, device: str, probe_set: ProbeSet, calibr
     if key not in cache:
         check_model_dir(model_dir)
         engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device=device, calibration_dir=calibration_dir))
-        engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+        calibration = load_calibration_set()
+        engine.load_or_calibrate(calibration.calibration_texts(), calibration.digest)
         release_openmp_team()  # probes run on the engine's generation thread: this thread's team would be a second
         cache[key] = engine
     return cache[key]
 
 
+def build_reference(spec: ReferenceSpec, *, calibration_dir: Path | None = None,
+                    engines: dict | None = None) -> Reference:
+    """The live reference of a `references` entry (a local one loads its model, dense, in this process)."""
+    if spec.kind == "local":
+        engine = load_engine_cached(spec.model_dir, spec.device, calibration_dir, engines if engines is not None
+                                    else {})
+        return EngineReference(engine, name=spec.name)
+    return HttpReference(name=spec.name, base_url=spec.base_url or "", model=spec.model or "",
+                         template=ChatTemplate.from_dir(spec.template), api_key=spec.api_key(),
+                         timeout_s=spec.timeout_s)
+
+
 def build_target(spec: ResolvedTarget, probe_set: ProbeSet, *, calibration_dir: Path | None = None,
                  engines: dict | None = None) -> Target:
-    """A live Target for one resolved config entry (loads the engine for in_process targets)."""
+    """A live Target for one resolved config entry (loads the engine for in_process targets). An in_process
+    target does not check its own quality: its job's reference scores what it served (build_jobs)."""
     if spec.kind == "in_process":
-        engine = load_engine_cached(spec.model_dir, spec.device, probe_set, calibration_dir,
+        from prunewatch.collector.in_process import InProcessTarget  # the engine, and torch, only when asked for
+
+        engine = load_engine_cached(spec.model_dir, spec.device, calibration_dir,
                                     engines if engines is not None else {})
-        return InProcessTarget(engine, name=spec.name, sensitivity=spec.sensitivity)
+        return InProcessTarget(engine, name=spec.name, sensitivity=spec.sensitivity, quality=False)
     return HttpTarget(name=spec.name, base_url=spec.base_url or "", model=spec.model or "", kind=spec.kind,
                       api_key=spec.api_key(), timeout_s=spec.timeout_s, sensitivity=spec.sensitivity)
 
@@ -142,18 +159,31 @@ def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir:
     specs = [config.target(name) for name in only] if only else config.targets
     governed_settings = {spec.name: spec.governor for spec in specs if getattr(spec, "governor", None) is not None}
     governor = Governor(governed_settings) if governed_settings else None  # one for the process
+    references: dict[str, Reference] = {}
     for spec in specs:
         try:
             subset = probe_set.filter(spec.domains)
         except ProbeFileError as exc:
             raise TargetConfigError(f"{config.source}: target {spec.name}: domains: {exc}") from None
         target = build_target(spec, probe_set, calibration_dir=calibration_dir, engines=engines)
+        reference: Reference | None = None
+        if spec.reference is not None:
+            if spec.reference.name not in references:
+                try:
+                    references[spec.reference.name] = build_reference(spec.reference, calibration_dir=calibration_dir,
+                                                                      engines=engines)
+                except ReferenceError as exc:
+                    raise TargetConfigError(f"{config.source}: reference {spec.reference.name}: {exc}") from None
+            reference = references[spec.reference.name]
+        elif spec.kind == "in_process":
+            reference = EngineReference(target.engine)  # type: ignore[attr-defined]  # its own weights, run dense
         if governor is not None and spec.name in governed_settings:
             target = GovernedTarget(target, governor)  # probes run at the governed sensitivity of their domain
         jobs.append(TargetJob(target,
                               subset, interval_s=interval_s or spec.interval_s, timeout_s=spec.timeout_s,
                               jitter_s=spec.jitter_s, baseline_every=spec.baseline_every,
-                              first_delay_s=random.uniform(0.0, spec.jitter_s)))  # spread first rounds too
+                              first_delay_s=random.uniform(0.0, spec.jitter_s),  # spread first rounds too
+                              reference=reference))
     return jobs
 
 
@@ -196,7 +226,7 @@ def run_collector(settings: FleetSettings, jobs: Sequence[TargetJob], *,
         if on_round is not None:
             on_round(summary)
 
-    scheduler = ProbeScheduler([], None, [store, metrics, LogExporter()], jobs=jobs, rounds=settings.rounds,
+    scheduler = ProbeScheduler(jobs, [store, metrics, LogExporter()], rounds=settings.rounds,
                                misfire_grace_s=settings.misfire_grace_s, on_round=round_done)
     try:
         run_until_done(scheduler, stop)

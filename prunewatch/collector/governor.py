@@ -1,19 +1,29 @@
-"""The quality governor: per (target, domain), the most aggressive pruning that keeps token agreement at the floor.
+"""The quality governor: per (target, domain), the most aggressive pruning that keeps served quality at the floor.
 
-After each round the governor reads the mean token agreement of each domain's probes (measured
-against the dense model, `ProbeResult.token_agreement`) and decides the sensitivity of the next
-round (`decide`, a pure function):
+Its evidence is the reference-scored agreement of the answers the target served
+(`ProbeResult.reference_agreement`: the share of a served answer's tokens equal to a dense reference's
+argmax, collector/reference.py), pooled over the domain's prompts answered at the current setting in
+the last `window_rounds` rounds, with a 95% interval bootstrapped over prompts
+(records/intervals.py). Dense baselines and requests that fell back to dense are not evidence: they
+say nothing of the setting. A prompt answered again at the same setting counts once (its newest
+answer): a greedy engine repeats itself, so repeats add no evidence. The evidence starts afresh when
+the setting changes. After each round `decide` (a pure function) reads it:
 
-- agreement below `floor`: lower the sensitivity at once, by `step_down` (bounded, never below
-  `min_sensitivity`): reason `breach` (counted as a clamp), or `breach_at_min` when already there;
-- agreement in [floor, floor + margin): hold, and the count of good rounds starts again
-  (`hold_near_floor`, the hysteresis band: no relaxing right above the floor);
-- agreement at or above floor + margin: one more good round (`hold`); after `relax_after`
+- the interval's upper bound below `floor` (quality is below the floor beyond sampling noise), or the
+  estimate below `floor` over at least `decisive_prompts` prompts: lower the sensitivity at once, by
+  `step_down` (bounded, never below `min_sensitivity`): reason `breach` (counted as a clamp), or
+  `breach_at_min` when already there;
+- the estimate below `floor` on fewer prompts, with the interval reaching above it: hold
+  (`hold_uncertain`) while the evidence grows;
+- the lower bound below `floor + margin`: hold, and the count of good rounds starts again
+  (`hold_near_floor`: no relaxing unless the floor is kept beyond noise, with a margin);
+- the lower bound at or above `floor + margin`: one more good round (`hold`); after `relax_after`
   consecutive good rounds, raise it by `step_up` (`relax`, never above `max_sensitivity`;
   `hold_at_max` there);
-- no agreement measured (failed probes, a baseline target): hold (`no_evidence`).
+- fewer than `min_probes` prompts scored: hold (`no_evidence`).
 
-So it lowers fast and relaxes slowly, in bounded steps. Every decision is stored with its evidence
+So it lowers on conclusive evidence and relaxes slowly, in bounded steps, and sampling noise around a
+quality above the floor moves nothing. Every decision is stored with its evidence and interval
 (prunewatch/records/store/governor.py), exported as `prunewatch_governor_setting` / `_clamps_total`
 (prunewatch/records/governor_metrics.py), and applied: in-process and HTTP probes run at the governed
 sensitivity (`GovernedTarget`), and a `prunewatch` engine gets it for its live traffic through
@@ -35,6 +45,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prunewatch.records.governor_metrics import GovernorMetrics
+from prunewatch.records.intervals import Interval
+from prunewatch.records.quality_window import AnswerWindow
 from prunewatch.records.results import ProbeResult, utcnow
 from prunewatch.records.store.governor import GovernorDecision, GovernorRepository
 
@@ -48,9 +60,10 @@ BREACH_AT_MIN = "breach_at_min"
 RELAX = "relax"
 HOLD = "hold"
 HOLD_NEAR_FLOOR = "hold_near_floor"
+HOLD_UNCERTAIN = "hold_uncertain"
 HOLD_AT_MAX = "hold_at_max"
 NO_EVIDENCE = "no_evidence"
-REASONS = (BREACH, BREACH_AT_MIN, RELAX, HOLD, HOLD_NEAR_FLOOR, HOLD_AT_MAX, NO_EVIDENCE)
+REASONS = (BREACH, BREACH_AT_MIN, RELAX, HOLD, HOLD_NEAR_FLOOR, HOLD_UNCERTAIN, HOLD_AT_MAX, NO_EVIDENCE)
 
 _DIGITS = 6  # settings are rounded so that repeated steps do not drift (0.1 + 0.2 != 0.3)
 
@@ -61,8 +74,8 @@ class GovernorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     floor: float = Field(0.95, gt=0.0, le=1.0,
-                         description="Mean token agreement a domain's probes must keep; below it the sensitivity "
-                                     "is lowered at once.")
+                         description="Reference-scored agreement the answers of a domain must keep; conclusive "
+                                     "evidence below it lowers the sensitivity at once.")
     step_down: float = Field(0.2, gt=0.0, le=1.0,
                              description="How much one breach lowers the sensitivity (bounded: quality comes back "
                                          "within a few rounds without dropping straight to dense).")
@@ -70,14 +83,20 @@ class GovernorSettings(BaseModel):
                            description="How much one relax raises it; at most step_down, so relaxing is slower "
                                        "than backing off.")
     margin: float = Field(0.02, ge=0.0, le=0.5,
-                          description="Hysteresis: only rounds at or above floor + margin count toward relaxing.")
+                          description="Hysteresis: only rounds whose interval's lower bound is at or above "
+                                      "floor + margin count toward relaxing.")
     relax_after: int = Field(3, ge=1, le=10_000,
                              description="Consecutive good rounds before one step up (slow relax).")
     min_sensitivity: float = Field(0.0, ge=0.0, le=1.0,
                                    description="Lowest sensitivity the governor sets (0 runs dense).")
     max_sensitivity: float = Field(1.0, ge=0.0, le=1.0, description="Highest sensitivity the governor sets.")
     min_probes: int = Field(1, ge=1, le=10_000,
-                            description="Probes with a measured agreement a round needs before it is evidence.")
+                            description="Prompts with a measured agreement the evidence needs before it is read.")
+    window_rounds: int = Field(10, ge=1, le=10_000,
+                               description="Rounds whose answers (at the current setting) form the evidence.")
+    decisive_prompts: int = Field(8, ge=1, le=100_000,
+                                  description="Prompts from which an estimate below the floor lowers the setting "
+                                              "even when its interval still reaches above the floor.")
 
     @model_validator(mode="after")
     def _consistent(self) -> GovernorSettings:
@@ -95,15 +114,18 @@ class GovernorSettings(BaseModel):
         return round(min(self.max_sensitivity, max(self.min_sensitivity, sensitivity)), _DIGITS)
 
 
-def decide(settings: GovernorSettings, setting: float, agreement: float | None, probes: int,
+def decide(settings: GovernorSettings, setting: float, evidence: Interval | None,
            good_rounds: int) -> tuple[float, str, int]:
     """The next sensitivity, the reason and the new count of consecutive good rounds (see the module doc)."""
-    if agreement is None or probes < settings.min_probes or math.isnan(agreement):
+    if evidence is None or evidence.prompts < settings.min_probes or math.isnan(evidence.estimate):
         return setting, NO_EVIDENCE, good_rounds
-    if agreement < settings.floor:
+    if evidence.high < settings.floor or (
+            evidence.estimate < settings.floor and evidence.prompts >= settings.decisive_prompts):
         lowered = settings.bounded(setting - settings.step_down)
         return (lowered, BREACH, 0) if lowered < setting else (setting, BREACH_AT_MIN, 0)
-    if agreement < settings.floor + settings.margin:
+    if evidence.estimate < settings.floor:
+        return setting, HOLD_UNCERTAIN, 0
+    if evidence.low < settings.floor + settings.margin:
         return setting, HOLD_NEAR_FLOOR, 0
     good = good_rounds + 1
     if setting >= settings.max_sensitivity:
@@ -113,24 +135,13 @@ def decide(settings: GovernorSettings, setting: float, agreement: float | None, 
     return setting, HOLD, good
 
 
-def round_evidence(results: Iterable[ProbeResult]) -> dict[str, tuple[float | None, int]]:
-    """Per domain of the round: (mean token agreement, probes counted); dense baseline runs do not count."""
-    seen: dict[str, list[float]] = {}
-    for result in results:
-        if getattr(result, "baseline", False):
-            continue
-        values = seen.setdefault(result.domain, [])
-        if result.ok and result.token_agreement is not None and math.isfinite(result.token_agreement):
-            values.append(float(result.token_agreement))
-    return {domain: ((sum(v) / len(v)) if v else None, len(v)) for domain, v in seen.items()}
-
-
 @dataclass
 class _State:
     model: str
     setting: float
     good_rounds: int = 0
     pushed: float | None = None  # the setting the engine's policy endpoint last accepted
+    evidence: AnswerWindow | None = None  # answers at `setting`; made on first use
 
 
 PolicyPush = Callable[[Mapping[str, float]], None]
@@ -208,21 +219,33 @@ class Governor:
         decided_at = self.clock()
         decisions = []
         models = {r.domain: r.model for r in results}
-        for domain, (agreement, probes) in sorted(round_evidence(results).items()):
+        by_domain: dict[str, list[ProbeResult]] = {}
+        for result in results:
+            if not getattr(result, "baseline", False):
+                by_domain.setdefault(result.domain, []).append(result)
+        for domain, answers in sorted(by_domain.items()):
             state = self._state(target, models[domain], domain, default_sensitivity)
             with self._lock:
                 old = state.setting
-                new, reason, good = decide(settings, old, agreement, probes, state.good_rounds)
+                if state.evidence is None:
+                    state.evidence = AnswerWindow(settings.window_rounds)
+                state.evidence.extend(answers)  # answers at another setting start it afresh
+                evidence = state.evidence.agreement()
+                new, reason, good = decide(settings, old, evidence, state.good_rounds)
                 state.setting, state.good_rounds = new, good
             decision = GovernorDecision(
                 decided_at=decided_at, target=target, model=state.model, domain=domain, old_setting=old,
-                new_setting=new, reason=reason, agreement=None if agreement is None else round(agreement, 6),
-                probes=probes, good_rounds=good, floor=settings.floor, round_id=round_id)
+                new_setting=new, reason=reason, agreement=None if evidence is None else round(evidence.estimate, 6),
+                probes=0 if evidence is None else evidence.prompts, good_rounds=good, floor=settings.floor,
+                round_id=round_id,
+                agreement_low=None if evidence is None else round(evidence.low, 6),
+                agreement_high=None if evidence is None else round(evidence.high, 6),
+                tokens=None if evidence is None else evidence.tokens)
             decisions.append(decision)
             level = logging.WARNING if decision.clamped else logging.INFO
-            logger.log(level, "governor %s/%s: %s, sensitivity %g -> %g (agreement %s over %d probe(s), floor %g)",
-                       target, domain, reason, old, new, "n/a" if agreement is None else f"{agreement:.4f}",
-                       probes, settings.floor)
+            logger.log(level, "governor %s/%s: %s, sensitivity %g -> %g (reference agreement %s, floor %g)",
+                       target, domain, reason, old, new, "n/a" if evidence is None else str(evidence),
+                       settings.floor)
             if self.metrics is not None:
                 self.metrics.record(target, domain, new, clamped=decision.clamped)
         if decisions and self.sink is not None:

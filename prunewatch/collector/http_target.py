@@ -44,9 +44,13 @@ MS_HEADERS = {  # header -> ProbeResult field
 STATS_HEADER_FIELDS = {  # X-Pruning-Stats key -> ProbeResult field, read when the body lacks the figure
     "prefill_ratio": "prefill_pruning_ratio",
     "decode_ratio": "decode_pruning_ratio",
-    "agreement": "token_agreement",
+    "agreement": "reference_agreement",
+    "nll": "served_nll",
+    "continuation_agreement": "continuation_agreement",
     "ppl_delta_pct": "perplexity_delta_pct",
 }
+QUALITY_BODY_FIELDS = ("reference_tokens", "reference_nll", "divergence_at")
+"""Figures of the body's `quality` object that have no X-Pruning-Stats key."""
 
 
 class TargetUnreachableError(TargetError, ConnectionError):
@@ -177,11 +181,15 @@ def observation_from_body(body: Any, headers: Mapping[str, str], *, configured_m
     quality = stats.get("quality") if isinstance(stats.get("quality"), dict) else {}
     body_figures = {"prefill_pruning_ratio": stats.get("prefill_pruning_ratio"),
                     "decode_pruning_ratio": stats.get("decode_pruning_ratio"),
-                    "token_agreement": quality.get("token_agreement"),
-                    "perplexity_delta_pct": quality.get("perplexity_delta_pct")}
+                    **{name: quality.get(name) for name in ("reference_agreement", "served_nll",
+                                                           "continuation_agreement", "perplexity_delta_pct")}}
     for key, name in STATS_HEADER_FIELDS.items():
         value = _float(body_figures[name])
         fields[name] = _float(header_stats.get(key)) if value is None else value
+    for name in QUALITY_BODY_FIELDS:
+        fields[name] = _int(quality.get(name)) if name != "reference_nll" else _float(quality.get(name))
+    # The engine scored its own answer against its own weights run dense (X-Pruning-Quality).
+    fields["quality_source"] = "engine" if fields["reference_agreement"] is not None else None
     for name, width in (("device", 16), ("device_name", 128)):  # where the engine measured its timings
         value = stats.get(name)
         fields[name] = (value.strip()[:width] or None) if isinstance(value, str) else None

@@ -34,7 +34,7 @@ def round_table(summary: RoundSummary, round_number: int) -> Table:
             result.domain, result.probe_id,
             _fmt(result.pruning_ratio, ".3f"), _fmt(result.decode_pruning_ratio, ".3f"),
             _fmt(result.inference_ms, ".0f"), _fmt(result.quality_ms, ".0f"),
-            _fmt(result.tokens_per_s, ".1f"), _fmt(result.token_agreement, ".3f"),
+            _fmt(result.tokens_per_s, ".1f"), _fmt(result.continuation_agreement, ".3f"),
             _answer(result),
         )
     return table

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from prunewatch.collector.deadline import DeadlineExceeded, call_with_deadline
 from prunewatch.collector.exporters import Exporter
+from prunewatch.collector.reference import Reference
 from prunewatch.collector.targets import Target, TargetError
 from prunewatch.engine import GenerationResult
 from prunewatch.engine.errors import EngineError, InvalidRequestError
-from prunewatch.probes import ProbeSet
+from prunewatch.probes import Probe, ProbeSet
 from prunewatch.records.engine_stats import probe_result_from_stats
 from prunewatch.records.results import ProbeResult, utcnow
 
@@ -84,8 +85,9 @@ def _probe_once(target: Target, probe, timeout_s: float | None):
 
 
 def _probe_result(target: Target, probe, round_id: str, timeout_s: float | None
-                  ) -> tuple[ProbeResult, threading.Thread | None]:
-    """One probe as a result (a failure is a result too), and the worker left running if it timed out."""
+                  ) -> tuple[ProbeResult, threading.Thread | None, list[int] | None]:
+    """One probe as a result (a failure is a result too), the worker left running if it timed out, and the served
+    token ids when the engine ran in this process (a reference with the same tokenizer scores them as served)."""
     began = time.perf_counter()
     try:
         generated = _probe_once(target, probe, timeout_s)
@@ -93,26 +95,50 @@ def _probe_result(target: Target, probe, round_id: str, timeout_s: float | None
         if isinstance(generated, GenerationResult):
             return probe_result_from_stats(target=target.name, probe=probe, round_id=round_id, stats=generated.stats,
                                            text=generated.text, duration_ms=duration_ms,
-                                           device_name=getattr(target, "device_name", None)), None
-        return generated.to_result(target=target.name, probe=probe, round_id=round_id, duration_ms=duration_ms), None
+                                           device_name=getattr(target, "device_name", None)), None, generated.served_ids
+        return (generated.to_result(target=target.name, probe=probe, round_id=round_id, duration_ms=duration_ms),
+                None, None)
     except Exception as exc:  # a failed probe is data, not a crash
         reason = classify_failure(exc)
         logger.warning("probe %s on %s failed (%s): %s", probe.id, target.name, reason, exc)
         result = ProbeResult.failure(target=target.name, model=target.model, probe=probe, round_id=round_id,
                                      reason=reason, message=f"{type(exc).__name__}: {exc}",
                                      duration_ms=round((time.perf_counter() - began) * 1000, 3))
-        return result, exc.worker if isinstance(exc, DeadlineExceeded) else None
+        return result, exc.worker if isinstance(exc, DeadlineExceeded) else None, None
+
+
+def judge(result: ProbeResult, probe: Probe, reference: Reference | None,
+          served_ids: Sequence[int] | None = None) -> None:
+    """Fill a served answer's quality: the probe's task check on its text, and, with a reference, the
+    reference-scored figures (over the engine's own, which scored it against its own weights). A reference
+    that cannot score is logged and leaves the figures the target reported: the answer is still data."""
+    if not result.ok:
+        return
+    if probe.check is not None:
+        result.task_passed = probe.check.passed(result.output_text or "")
+    if reference is None or result.baseline:
+        return
+    try:
+        score = reference.score(probe, result.output_text or "", served_ids)
+    except Exception as exc:  # scoring is the collector's own work: it never turns an answer into a failure
+        logger.warning("reference %s could not score probe %s of %s: %s", reference.name, probe.id, result.target,
+                       exc)
+        return
+    for name, value in score.fields().items():
+        setattr(result, name, value)
 
 
 def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter],
               stop: threading.Event | None = None, *, timeout_s: float | None = None,
-              cancel_grace_s: float = 5.0, baseline: bool = False) -> RoundSummary:
+              cancel_grace_s: float = 5.0, baseline: bool = False,
+              reference: Reference | None = None) -> RoundSummary:
     """Run every probe once. A failed probe becomes a failure result; `stop` ends between probes.
 
     With `timeout_s`, a probe that overruns it is cancelled and recorded as a `timeout` failure;
     an answer that arrives later is dropped, so each probe yields exactly one result. With
     `baseline`, each probe then runs once more dense (sensitivity 0) on the same target, stored with
     `baseline` set: the dense time of the same prompts on the same engine, measured in the same round.
+    With a `reference`, every served answer (not the baselines) is scored against it before it is exported.
     """
     summary = RoundSummary(round_id=uuid.uuid4().hex, target=target.name)
     round_aware = [e for e in exporters if hasattr(e, "start_round")]
@@ -131,8 +157,9 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
     for runner, probe, is_baseline in runs:
         if stop is not None and stop.is_set():
             break
-        result, abandoned = _probe_result(runner, probe, summary.round_id, timeout_s)
+        result, abandoned, served_ids = _probe_result(runner, probe, summary.round_id, timeout_s)
         result.baseline = is_baseline
+        judge(result, probe, reference, served_ids)
         summary.results.append(result)
         summary.export_errors += _export(exporters, result)
         if abandoned is not None:  # let a cancelled probe wind down so the next one does not compete with it

@@ -20,6 +20,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from prunewatch.collector.exporters import Exporter
 from prunewatch.collector.probe_round import RoundSummary, run_round
+from prunewatch.collector.reference import Reference
 from prunewatch.collector.targets import Target
 from prunewatch.probes import ProbeSet
 
@@ -37,35 +38,26 @@ class TargetJob:
     jitter_s: float = 0.0
     first_delay_s: float = 0.0  # spread first rounds too when many targets start at once
     baseline_every: int | None = None  # every N rounds (the first included) also probe dense: a measured baseline
+    reference: Reference | None = None  # scores every served answer against a dense model (collector.reference)
 
 
 class ProbeScheduler:
-    """Runs `run_round` for each target every `interval_s`, first round immediately."""
+    """Runs `run_round` for each job's target every job's `interval_s`, first round immediately."""
 
     def __init__(
         self,
-        targets: Sequence[Target],
-        probe_set: ProbeSet | None,
+        jobs: Sequence[TargetJob],
         exporters: Sequence[Exporter],
         *,
-        interval_s: float = 30.0,
         rounds: int | None = None,
         misfire_grace_s: float = 60.0,
         on_round: Callable[[RoundSummary], None] | None = None,
-        jobs: Sequence[TargetJob] | None = None,
     ) -> None:
-        if jobs is None:
-            if probe_set is None:
-                raise ValueError("a probe set is needed when no jobs are given")
-            jobs = [TargetJob(t, probe_set, interval_s) for t in targets]
         names = [job.target.name for job in jobs]
         if len(set(names)) != len(names):
             raise ValueError(f"target names must be unique, got {names}")
         self.jobs = list(jobs)
-        self.targets = [job.target for job in self.jobs]
-        self.probe_set = probe_set
         self.exporters = list(exporters)
-        self.interval_s = interval_s
         self.rounds = rounds
         self.on_round = on_round
         self.stop_event = threading.Event()  # set: finish the current probe, then stop
@@ -90,7 +82,7 @@ class ProbeScheduler:
         with self._lock:
             baseline = job.baseline_every is not None and self.rounds_by_target[name] % job.baseline_every == 0
         summary = run_round(job.target, job.probe_set, self.exporters, stop=self.stop_event, timeout_s=job.timeout_s,
-                            baseline=baseline)
+                            baseline=baseline, reference=job.reference)
         with self._lock:
             self.completed_rounds += 1
             self.rounds_by_target[name] += 1

@@ -21,10 +21,29 @@
         kind: openai
         base_url: http://10.0.0.6:8000
         model: meta-llama/Llama-3.1-8B-Instruct
+      - name: llama-cpp-q4        # any OpenAI-compatible server, its answers scored by a reference
+        kind: openai
+        base_url: http://10.0.0.8:8080
+        model: smollm2-q4_1
+        reference: smollm2-dense
+    references:                   # optional; dense models that score what targets served (collector/reference.py)
+      - name: smollm2-dense       # an OpenAI-compatible server with echo + logprobs on /v1/completions
+        kind: http
+        base_url: http://10.0.0.7:8000
+        model: SmolLM2-135M-Instruct
+        template: /models/SmolLM2-135M-Instruct   # model folder whose chat template renders the probes
+      - name: local-dense         # or the model loaded in this process, run dense
+        kind: local
+        model_dir: /models/SmolLM2-135M-Instruct
     governor:                     # optional; defaults of every governed target (prunewatch/collector/governor.py)
       floor: 0.95
     # a target is governed with `governor: true` (these defaults) or `governor: {floor: 0.9, ...}`
     # (its own values over them); not an openai baseline, which does not prune.
+
+Quality is the reference-scored agreement of what each target served. An in_process target is
+scored by its own engine run dense unless it names a reference; a prunewatch target scores its answers
+against its own weights (X-Pruning-Quality) unless it names one; an openai target has quality only
+with a reference.
 
 Validation happens before anything runs and every problem is one line naming the file, the
 target and the field. API keys are never in the file: `api_key_env` names the variable holding one.
@@ -73,6 +92,55 @@ class TargetDefaults(BaseModel):
                     "engine, stored as a baseline: the measured 'before' of the ROI report. None: never.")
 
 
+class ReferenceSpec(BaseModel):
+    """A dense model that scores served answers (collector/reference.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=_NAME_PATTERN, description="What targets call it (`reference: NAME`).")
+    kind: Literal["http", "local"] = Field(description="http: an OpenAI-compatible server with echo + logprobs on "
+                                                       "/v1/completions; local: a model folder loaded here, run dense.")
+    base_url: str | None = Field(None, description="http: the server's base URL, without /v1.")
+    model: str | None = Field(None, min_length=1, description="http: the model id the server serves.")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="http: the environment variable holding its API key.")
+    template: Path | None = Field(None, description="http: the model folder whose chat template renders the probes.")
+    model_dir: Path | None = Field(None, description="local: the model folder.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="local: where it runs.")
+    timeout_s: float = Field(120.0, gt=0.0, le=3600.0, description="http: seconds one scoring call may take.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return _check_http_url(value)
+
+    @model_validator(mode="after")
+    def _fits_kind(self) -> ReferenceSpec:
+        needed = ("base_url", "model", "template") if self.kind == "http" else ("model_dir",)
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.kind} reference needs {', '.join(missing)}")
+        foreign = (("model_dir",) if self.kind == "http" else ("base_url", "model", "api_key_env", "template"))
+        given = [name for name in foreign if getattr(self, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply to a {self.kind} reference")
+        return self
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+def _check_http_url(value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip().rstrip("/")
+    if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
+        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+    if value.endswith("/v1"):
+        raise ValueError("give the server's base URL without /v1 (the collector adds /v1/...)")
+    return value
+
+
 class TargetSpec(BaseModel):
     """One target as written in the file."""
 
@@ -95,17 +163,12 @@ class TargetSpec(BaseModel):
         None, description="true: governed with the file's governor defaults; a mapping: its own values over them.")
     baseline_every: int | None = Field(None, ge=1, le=100_000)
 
+    reference: str | None = Field(None, description="Name of a `references` entry that scores this target's answers.")
+
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        value = value.strip().rstrip("/")
-        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
-            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
-        if value.endswith("/v1"):
-            raise ValueError("give the server's base URL without /v1 (the collector adds /v1/...)")
-        return value
+        return _check_http_url(value)
 
     @model_validator(mode="after")
     def _fits_kind(self) -> TargetSpec:
@@ -148,6 +211,7 @@ class TargetsFile(BaseModel):
     collector: CollectorSection = Field(default_factory=CollectorSection)
     defaults: TargetDefaults = Field(default_factory=TargetDefaults)
     targets: list[TargetSpec] = Field(min_length=1)
+    references: list[ReferenceSpec] = Field(default_factory=list, description="Dense models that score answers.")
     governor: GovernorSettings = Field(default_factory=GovernorSettings,
                                        description="Governor settings of every governed target unless it sets its own.")
 
@@ -158,6 +222,13 @@ class TargetsFile(BaseModel):
             if spec.name in seen:
                 raise ValueError(f"target name {spec.name!r} appears twice")
             seen.add(spec.name)
+        references = [r.name for r in self.references]
+        if len(set(references)) != len(references):
+            raise ValueError("a reference name appears twice")
+        for spec in self.targets:
+            if spec.reference is not None and spec.reference not in references:
+                raise ValueError(f"target {spec.name}: reference {spec.reference!r} is not among the references "
+                                 f"{references}")
         return self
 
 
@@ -180,6 +251,7 @@ class ResolvedTarget(BaseModel):
     jitter_s: float
     governor: GovernorSettings | None = None  # None: not governed
     baseline_every: int | None = None  # rounds between dense baseline runs; None: never
+    reference: ReferenceSpec | None = None  # scores its answers; None: the target's own (see the module doc)
 
     def api_key(self) -> str | None:
         """The key from the environment, read when needed (never stored in the config object)."""
@@ -259,5 +331,10 @@ def load_targets(path: Path | str) -> CollectorConfig:
             governor=_governor(path, index, spec, parsed.governor),
             baseline_every=None if spec.kind == "openai" else (
                 spec.baseline_every if spec.baseline_every is not None else defaults.baseline_every),
+            reference=next((r for r in parsed.references if r.name == spec.reference), None),
         ))
+    for reference in parsed.references:
+        if reference.api_key_env and not os.environ.get(reference.api_key_env):
+            raise TargetConfigError(f"{path}: reference {reference.name}: environment variable "
+                                    f"{reference.api_key_env} (api_key_env) is not set or empty")
     return CollectorConfig(collector=parsed.collector, targets=resolved, source=str(path))

@@ -232,8 +232,8 @@ class Sweeper:
         for r in results:
             if not r.ok:
                 quality.append(None)
-            elif r.token_agreement is not None:
-                quality.append(r.token_agreement)
+            elif r.continuation_agreement is not None:
+                quality.append(r.continuation_agreement)
             else:
                 self.engine_quality = False
                 reference = self.dense_text.get(r.probe_id)

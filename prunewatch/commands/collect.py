@@ -179,8 +179,8 @@ def tune_command(
 
     from prunewatch.alerts.settings import RuleSettings
     from prunewatch.collector.fleet import FleetSettings, build_jobs, load_engine_cached
+    from prunewatch.collector.in_process import InProcessTarget
     from prunewatch.collector.target_config import TargetConfigError, load_targets
-    from prunewatch.collector.targets import InProcessTarget
     from prunewatch.collector.tune import TuneError, TuneSettings, tune, write_report, write_rules_override
     from prunewatch.engine.errors import EngineError
     from prunewatch.models_cli import model_folder
@@ -194,7 +194,7 @@ def tune_command(
                                 quality_floor=quality_floor, configured_red_line=RuleSettings().quality_red_line)
         if model is not None:
             probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
-            engine = load_engine_cached(model_folder(model), device, probe_set, FleetSettings().calibration_dir, {})
+            engine = load_engine_cached(model_folder(model), device, FleetSettings().calibration_dir, {})
             subject, subject_probes = InProcessTarget(engine, name=engine.name), probe_set
         else:
             parsed = load_targets(config)

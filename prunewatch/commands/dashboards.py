@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
 
-from prunewatch.cli_errors import fail, first_validation_error
+from prunewatch.cli_errors import fail, first_validation_error, needs_extra
 from prunewatch.dashboards.export import JSON_DIR, check_exported, export_dashboards
-from prunewatch.dashboards.push import GrafanaPushError, PushSettings, push_dashboards
 from prunewatch.dashboards.settings import DashboardSettings
 
 
@@ -21,12 +21,10 @@ def _settings(usd_per_million_tokens: float, gpu_usd_per_hour: float) -> Dashboa
 
 
 def export_command(
-    out_dir: Path = typer.Option(JSON_DIR, "--out-dir", help="Folder to write the dashboard JSON files into."),
-    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 if the files differ from the code."),
-    usd_per_million_tokens: float = typer.Option(
-        DashboardSettings().usd_per_million_tokens, help="Configured $ per 1M tokens (cost panel default)."),
-    gpu_usd_per_hour: float = typer.Option(
-        DashboardSettings().gpu_usd_per_hour, help="Configured GPU $ per hour (cost panel default)."),
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder to write the dashboard JSON files into.")] = JSON_DIR,
+    check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 if the files differ from the code.")] = False,
+    usd_per_million_tokens: Annotated[float, typer.Option(help="Configured $ per 1M tokens (cost panel default).")] = DashboardSettings().usd_per_million_tokens,
+    gpu_usd_per_hour: Annotated[float, typer.Option(help="Configured GPU $ per hour (cost panel default).")] = DashboardSettings().gpu_usd_per_hour,
 ) -> None:
     """Write the Grafana dashboards as JSON (the files docker-compose provisions)."""
     settings = _settings(usd_per_million_tokens, gpu_usd_per_hour)
@@ -48,16 +46,19 @@ def export_command(
 
 
 def push_command(
-    url: str = typer.Option(..., "--url", help="Grafana base URL, e.g. http://localhost:3000."),
-    folder: str = typer.Option("prunewatch", "--folder", help="Folder title; created when absent."),
-    timeout: float = typer.Option(10.0, "--timeout", help="Seconds per HTTP request."),
-    usd_per_million_tokens: float = typer.Option(
-        DashboardSettings().usd_per_million_tokens, help="Configured $ per 1M tokens (cost panel default)."),
-    gpu_usd_per_hour: float = typer.Option(
-        DashboardSettings().gpu_usd_per_hour, help="Configured GPU $ per hour (cost panel default)."),
+    url: Annotated[str, typer.Option("--url", help="Grafana base URL, e.g. http://localhost:3000.")],
+    folder: Annotated[str, typer.Option("--folder", help="Folder title; created when absent.")] = "prunewatch",
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds per HTTP request.")] = 10.0,
+    usd_per_million_tokens: Annotated[float, typer.Option(help="Configured $ per 1M tokens (cost panel default).")] = DashboardSettings().usd_per_million_tokens,
+    gpu_usd_per_hour: Annotated[float, typer.Option(help="Configured GPU $ per hour (cost panel default).")] = DashboardSettings().gpu_usd_per_hour,
 ) -> None:
     """Create or update the dashboards in a running Grafana (token from the GRAFANA_TOKEN variable)."""
     from prunewatch.dashboards.build import build_dashboards
+
+    try:
+        from prunewatch.dashboards.push import GrafanaPushError, PushSettings, push_dashboards
+    except ModuleNotFoundError as exc:
+        raise fail(needs_extra(exc, "dashboards"))
 
     dashboard_settings = _settings(usd_per_million_tokens, gpu_usd_per_hour)
     try:

@@ -5,6 +5,8 @@ Plain functions with typer options; the `prunewatch` app mounts them under `gove
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from prunewatch.cli_errors import fail
@@ -12,8 +14,8 @@ from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 def status_command(
-    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
-    target: str = typer.Option(None, "--target", "-t", help="Only this target."),
+    db: Annotated[str, typer.Option("--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store.")] = DEFAULT_STORE_URL,
+    target: Annotated[str | None, typer.Option("--target", "-t", help="Only this target.")] = None,
 ) -> None:
     """Print the current sensitivity per (target, model, domain) with the last decision and its evidence."""
     from sqlalchemy import inspect
@@ -38,9 +40,12 @@ def status_command(
         typer.echo("no governor decisions" + (f" for target {target}" if target else "") + f" in {safe_url(db)}")
         return
     for d in latest:
-        agreement = "not measured" if d.agreement is None else f"{d.agreement:.4f}"
+        agreement = "not measured" if d.agreement is None else f"{d.agreement:.4f}" + (
+            f" [{d.agreement_low:.4f}, {d.agreement_high:.4f}] (95%, {d.tokens} tokens)"
+            if d.agreement_low is not None and d.agreement_high is not None else "")
         change = (f"{d.old_setting:g} -> {d.new_setting:g}" if d.changed else f"held at {d.new_setting:g}")
         typer.echo(f"{d.target} / {d.model} / {d.domain}: sensitivity {d.new_setting:g}")
-        typer.echo(f"  why: {d.reason} ({change}) at {d.decided_at:%Y-%m-%d %H:%M:%S} UTC; agreement {agreement} "
-                   f"over {d.probes} probe(s), floor {d.floor:g}, {d.good_rounds} good round(s) in a row, "
+        typer.echo(f"  why: {d.reason} ({change}) at {d.decided_at:%Y-%m-%d %H:%M:%S} UTC; reference-scored "
+                   f"agreement {agreement} over {d.probes} prompt(s), floor {d.floor:g}, {d.good_rounds} good "
+                   f"round(s) in a row, "
                    f"round {d.round_id or '-'}")

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -25,10 +26,10 @@ def app_path() -> Path:
 
 
 def roi_command(
-    db: str = typer.Option(DEFAULT_STORE_URL, envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store (or PRUNEWATCH_DB_URL, which keeps a password off the command line)."),
-    host: str = typer.Option("127.0.0.1", help="Address the app listens on."),
-    port: int = typer.Option(8501, min=1, max=65535, help="Port the app listens on."),
-    days: int = typer.Option(30, help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days)."),
+    db: Annotated[str, typer.Option(envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store (or PRUNEWATCH_DB_URL, which keeps a password off the command line).")] = DEFAULT_STORE_URL,
+    host: Annotated[str, typer.Option(help="Address the app listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port the app listens on.")] = 8501,
+    days: Annotated[int, typer.Option(help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days).")] = 30,
 ) -> None:
     """Open the ROI calculator (Streamlit) on the store's measurements; PRUNEWATCH_ROI_PASSWORD locks it."""
     from prunewatch.records.store import safe_url
@@ -62,13 +63,13 @@ def roi_command(
 
 
 def report_command(
-    days: int = typer.Option(30, help="Measurement window in days: 30, 60 or 90."),
-    db: str = typer.Option(DEFAULT_STORE_URL, envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store."),
-    out: Path = typer.Option(Path("report.pdf"), help="PDF to write."),
-    html: Path = typer.Option(None, help="HTML variant to write (default: next to the PDF, .html)."),
-    target: str = typer.Option(None, help="Only this target (default: every target in the store)."),
-    model: str = typer.Option(None, help="Only this model (default: every model)."),
-    assumptions: Path = typer.Option(None, help="JSON file of assumptions (the app's 'download assumptions')."),
+    days: Annotated[int, typer.Option(help="Measurement window in days: 30, 60 or 90.")] = 30,
+    db: Annotated[str, typer.Option(envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store.")] = DEFAULT_STORE_URL,
+    out: Annotated[Path, typer.Option(help="PDF to write.")] = Path("report.pdf"),
+    html: Annotated[Path | None, typer.Option(help="HTML variant to write (default: next to the PDF, .html).")] = None,
+    target: Annotated[str | None, typer.Option(help="Only this target (default: every target in the store).")] = None,
+    model: Annotated[str | None, typer.Option(help="Only this model (default: every model).")] = None,
+    assumptions: Annotated[Path | None, typer.Option(help="JSON file of assumptions (the app's 'download assumptions').")] = None,
 ) -> None:
     """Write the CFO report (PDF + HTML): savings with their basis, trends, method, assumptions, quality kept."""
     from prunewatch.records.store import safe_url

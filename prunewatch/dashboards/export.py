@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from importlib.resources import files
 from pathlib import Path
 
 from prunewatch.dashboards.build import build_dashboards
 from prunewatch.dashboards.panels import Json
 from prunewatch.dashboards.settings import DashboardSettings
 
-JSON_DIR = Path(__file__).resolve().parent / "json"
+JSON_DIR = Path(str(files("prunewatch.dashboards").joinpath("json")))
 """Where the committed dashboard JSON lives (mounted into Grafana by docker-compose)."""
 
 

@@ -91,7 +91,7 @@ def build_overview(settings: DashboardSettings) -> Json:
         "Teacher-forced argmax agreement of the pruned model with the dense model on the dense continuation "
         "of each probe: last result of each probe id averaged per domain (the recorded series the agreement "
         "alert family uses), and the worst probe. 1.0 means every token matched.",
-        p, [prom("A", promql.token_agreement_by_domain(), "{{domain}} · {{model}} · {{target}}"),
+        p, [prom("A", promql.continuation_agreement_by_domain(), "{{domain}} · {{model}} · {{target}}"),
             prom("B", promql.TOKEN_AGREEMENT_WORST, "worst probe")],
         unit="percentunit", width=12, minimum=0, maximum=1))
     layout.add(timeseries(

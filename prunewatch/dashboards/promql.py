@@ -69,7 +69,7 @@ def inference_p99() -> str:
     return scoped(recorded(PROMQL_LATENCY_P99))
 
 
-def token_agreement_by_domain() -> str:
+def continuation_agreement_by_domain() -> str:
     return scoped(recorded(PROMQL_AGREEMENT_BY_DOMAIN))
 
 
@@ -107,7 +107,7 @@ COST_GPU_PER_MILLION_TOKENS = (
 )
 
 # -- raw figures ---------------------------------------------------------------------------------
-TOKEN_AGREEMENT_WORST = f"min(prunewatch_token_agreement{{{MODEL_DOMAIN}}})"
+TOKEN_AGREEMENT_WORST = f"min(prunewatch_continuation_agreement{{{MODEL_DOMAIN}}})"
 LAST_SUCCESS_AGE = f"time() - max by (model, target) (prunewatch_last_success_timestamp_seconds{{{MODEL_TARGET}}})"
 
 

@@ -81,9 +81,9 @@ LATENCY_PHASES = _lines(
     "GROUP BY 1 ORDER BY 1",
 )
 TOKEN_AGREEMENT = _lines(
-    f"SELECT {TIME_BUCKET}, domain AS metric, avg(token_agreement) AS value",
+    f"SELECT {TIME_BUCKET}, domain AS metric, avg(continuation_agreement) AS value",
     "FROM probe_results",
-    f"WHERE {PRUNED} AND status = 'ok' AND token_agreement IS NOT NULL",
+    f"WHERE {PRUNED} AND status = 'ok' AND continuation_agreement IS NOT NULL",
     "GROUP BY 1, 2 ORDER BY 1",
 )
 PERPLEXITY_DELTA = _lines(
@@ -107,7 +107,7 @@ FAILURES_BY_REASON = _lines(
 )
 BY_PROBE_VERSION = _lines(
     "SELECT probe_id, probe_version, probe_hash, domain, count(*) AS results,",
-    "  avg(pruning_ratio) AS mean_ratio, avg(token_agreement) AS mean_agreement, avg(inference_ms) AS mean_inference_ms",
+    "  avg(pruning_ratio) AS mean_ratio, avg(continuation_agreement) AS mean_agreement, avg(inference_ms) AS mean_inference_ms",
     "FROM probe_results",
     f"WHERE {PRUNED} AND status = 'ok'",
     "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2",
@@ -116,7 +116,7 @@ RECENT_RESULTS = _lines(
     "SELECT created_at AS \"time\", target, model, domain, probe_id, probe_version, status, failure_reason,",
     "  CASE WHEN baseline THEN 'dense baseline' ELSE 'pruned' END AS run, sensitivity,",
     "  pruning_ratio, inference_ms, ttft_ms, client_ttft_ms, tokens_per_s, client_decode_tokens_per_s,",
-    "  token_agreement, fallback_reason",
+    "  continuation_agreement, fallback_reason",
     "FROM probe_results",
     f"WHERE {WHERE}",
     "ORDER BY created_at DESC LIMIT 200",

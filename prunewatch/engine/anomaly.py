@@ -11,8 +11,6 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-_PUNCT_RUN = re.compile(r"[^\w\s]{12,}")
-
 
 @dataclass(frozen=True)
 class AnomalyLimits:

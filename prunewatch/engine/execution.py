@@ -66,6 +66,10 @@ class ExecutionPlan:
     # approximate logits, and how many of the highest are then computed exactly. 0 runs the head dense.
     output_head_sparsity: float = 0.0
     output_head_candidates: int = 1024
+    # A call of the head with more rows than a decode step normally applies the same masks in one dense product
+    # (teacher-forced scoring), which does more work than the dense head; True runs every row through the
+    # kernel instead, as a decode step would: an echoed prompt's logprobs are the request's own prefill work.
+    output_head_row_kernel: bool = False
 
     def __post_init__(self) -> None:
         targets = (self.activation_sparsity, *self.layer_sparsity)

@@ -10,7 +10,7 @@ from __future__ import annotations
 SENSITIVITY = "X-Pruning-Sensitivity"  # 0..1; 0 runs the dense model
 LOG_LEVEL = "X-Pruning-Log-Level"  # NONE, SUMMARY or DETAILED
 BLACKLIST = "X-Pruning-Blacklist"  # comma-separated layer indices never pruned
-QUALITY = "X-Pruning-Quality"  # on / off: score the answer against the dense model
+QUALITY = "X-Pruning-Quality"  # on / full / off: score the served answer against the dense model
 
 # -- response: what pruning did and what it cost ------------------------------------------------
 RATIO = "X-Pruning-Ratio"
@@ -23,5 +23,6 @@ QUALITY_MS = "X-Prunewatch-Quality-Ms"
 QUEUE_MS = "X-Prunewatch-Queue-Ms"
 
 STATS_KEYS = ("layers_bypassed", "heads_gated", "sparsity", "total_tokens", "prefill_ratio", "decode_ratio",
-              "agreement", "ppl_delta_pct")
-"""Keys of X-Pruning-Stats, in the order the server writes them (the last two only when quality was scored)."""
+              "agreement", "nll", "continuation_agreement", "ppl_delta_pct")
+"""Keys of X-Pruning-Stats, in the order the server writes them: agreement and nll only when quality was scored
+(the served answer against the dense model), the last two only after a full check."""

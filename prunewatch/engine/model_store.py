@@ -25,6 +25,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -39,9 +40,10 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1  # bump when the conversion changes, so folders made by an older one are redone
 LOCK_FILE = ".lock"
 PIP_TIMEOUT_S = 900  # pip has its own per-connection timeout; this only bounds a hung pip
-PROBE_MODEL_DIR = Path(__file__).resolve().parent / "models" / "probe-llama"
+PROBE_MODEL_DIR = Path(str(files("prunewatch.engine").joinpath("models", "probe-llama")))
 """The bundled probe model: small, offline, for plumbing tests and as the fallback without a registry."""
-FALLBACK_MODEL = "prunewatch/engine/models/probe-llama"  # PROBE_MODEL_DIR as a user types it from the repository root
+FALLBACK_MODEL = PROBE_MODEL_DIR.name
+"""The bundled probe model's name: `--model probe-llama` finds it wherever prunewatch is installed."""
 
 
 @dataclass(frozen=True)
@@ -189,11 +191,13 @@ def is_present(name: str, root: Path | None = None) -> bool:
 
 def resolve_model(spec: str | Path, root: Path | None = None, progress: Progress | None = None) -> Path:
     """A model folder from what a user typed: an existing folder, a known model name (pulled if needed)
-    or the name of a model imported into the root."""
+    or the name of a model imported into the root; `probe-llama` is the bundled probe model."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
     name = str(spec)
+    if name == FALLBACK_MODEL:  # shipped inside the package
+        return PROBE_MODEL_DIR
     if name in KNOWN_MODELS:
         return pull(name, root, progress)
     if "/" in name or os.sep in name or name.startswith("."):  # meant as a path

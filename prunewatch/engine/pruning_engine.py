@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, overload
 
 import torch
 
@@ -26,9 +27,10 @@ from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, Instrume
 from prunewatch.engine.hardware import PeakMemory, device_name, estimate_dram_bytes_per_instruction
 from prunewatch.engine.heads import HeadGating, install_head_gating
 from prunewatch.engine.loading import LoadedModel, load_model
+from prunewatch.engine.logprobs import MAX_TOP_LOGPROBS, Scored, TokenLogprob, TokenTexts, score_positions
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.planner import BypassPlan, plan_bypass, validate_request
-from prunewatch.engine.quality import score_against_dense
+from prunewatch.engine.quality import answer_token_scores, divergence, quality_check, quality_report
 from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
 from prunewatch.engine.signals import memory_pressure
 from prunewatch.engine.stats import GenerationResult, RequestStats
@@ -39,10 +41,14 @@ logger = logging.getLogger("prunewatch.engine")
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """A piece of generated text, yielded while streaming."""
+    """A piece of generated text, yielded while streaming; with `echo`, first the prompt's text."""
 
     text: str
     token_id: int
+    # With logprobs asked for: the tokens this piece completes, those whose text begins in it (or before it,
+    # held back for a stop sequence); `offset` counts characters of the completion (of the prompt when `echo`).
+    logprobs: tuple[TokenLogprob, ...] = ()
+    echo: bool = False  # the echoed prompt (stream(echo=True)), yielded before any generated piece
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,9 @@ class DecodeMeasurement:
         return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-MAX_STOP_SEQUENCES = 4  # as OpenAI's API allows
+# OpenAI allows 4; lm-eval's completions send a task's `until` strings plus the tokenizer's end-of-sequence text,
+# uncapped (5 for a task with 4). Checking one more costs one str.find per generated token.
+MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256  # streaming holds back one character less than the longest stop sequence
 
 
@@ -115,6 +123,7 @@ class PruningEngine:
         self._kv_bytes_per_token_per_layer = 2 * kv_heads * head_dim * torch.empty((), dtype=loaded.dtype).element_size()
         eos = getattr(loaded.model.generation_config, "eos_token_id", None) or loaded.tokenizer.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.token_texts = TokenTexts(loaded.tokenizer)  # token ids as OpenAI clients read them (logprobs)
 
     @classmethod
     def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:
@@ -238,9 +247,11 @@ class PruningEngine:
         return list(ids)
 
     def render_raw(self, prompt: str) -> list[int]:
-        """Token ids of a plain-text completion prompt, without the chat template."""
+        """Token ids of a plain-text completion prompt, without the chat template, tokenized as given: no BOS
+        or other special token is added (as lm-eval's and OpenAI's clients count a prompt's tokens), so the
+        tokens an echo returns are the client's own."""
         try:
-            ids = self.loaded.tokenizer(prompt).input_ids
+            ids = self.loaded.tokenizer(prompt, add_special_tokens=False).input_ids
         except (TypeError, ValueError, UnicodeError) as exc:
             raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
         if not ids:
@@ -284,12 +295,29 @@ class PruningEngine:
         bypass_plan, _ = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=prompt_text)
         return self._with_sparsity(bypass_plan, blacklist) if bypass_plan else ExecutionPlan()
 
+    @overload
+    def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, max_new_tokens: int,
+                use_cache: bool, stop_at_eos: bool = ..., compiled: bool | None = ..., logprobs: None = ...,
+                score_prompt: bool = ...) -> Iterator[int]: ...
+
+    @overload
+    def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, max_new_tokens: int,
+                use_cache: bool, stop_at_eos: bool = ..., compiled: bool | None = ..., *, logprobs: int,
+                score_prompt: bool = ...) -> Iterator[Scored]: ...
+
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
                 max_new_tokens: int, use_cache: bool, stop_at_eos: bool = True,
-                compiled: bool | None = None) -> Iterator[int]:
+                compiled: bool | None = None, logprobs: int | None = None,
+                score_prompt: bool = False) -> Iterator[int] | Iterator[Scored]:
         """Greedy decoding under `plan`; yields token ids as they are produced. `compiled`: run decode
-        steps as the compiled graph (prunewatch.engine.compiled_decode) where the plan allows; None: per settings."""
+        steps as the compiled graph (prunewatch.engine.compiled_decode) where the plan allows; None: per settings.
+
+        `logprobs`: yield each token as `Scored` instead, with the `logprobs` most likely tokens at its step
+        (fp32 log-softmax of the step's logits); None computes nothing beyond the argmax. `score_prompt`
+        (with `logprobs`): the prefill keeps every row of logits, and the prompt's positions are yielded
+        first (`in_prompt`), its first token unscored; with `max_new_tokens` 0 only the prefill runs.
+        """
         from transformers import DynamicCache
 
         model = self.loaded.model
@@ -300,10 +328,14 @@ class PruningEngine:
         step = self.compiled_decode(compiled) if use_cache else None
         if step is not None and not step.supports(plan):
             step = None
+        score_prompt = score_prompt and logprobs is not None
+        if score_prompt and plan.output_head_sparsity > 0.0:  # every prompt row as the last one is computed
+            plan = replace(plan, output_head_row_kernel=True)
         with executing(plan, ledger):
             position = 0
             step_ids = ids
-            for _ in range(max_new_tokens):
+            for step_index in range(max(max_new_tokens, 1 if score_prompt else 0)):
+                keep = 0 if score_prompt and step_index == 0 else 1  # 0: every row (transformers' logits_to_keep)
                 if use_cache:
                     positions = torch.arange(position, position + step_ids.shape[1], device=device)[None]
                     out = None
@@ -313,21 +345,38 @@ class PruningEngine:
                         step = step if out is not None else None  # it failed to compile: eager from now on
                     if out is None:
                         out = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
-                                    logits_to_keep=1)
+                                    logits_to_keep=keep)
                     position += step_ids.shape[1]
                     context = position
                 else:
-                    out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    out = model(input_ids=ids, use_cache=False, logits_to_keep=keep)
                     context = ids.shape[1]
                 ledger.kv_bytes_read += int(executed_blocks * context * self._kv_bytes_per_token_per_layer)
                 if ledger.prefill_dense_flops is None:
                     ledger.end_prefill()
-                token = int(out.logits[0, -1].argmax())
-                yield token
+                if keep == 0:  # the echoed prompt: row t predicts token t + 1, nothing predicts the first
+                    yield Scored(prompt_ids[0], None, in_prompt=True)
+                    yield from score_positions(out.logits[0, :-1], prompt_ids[1:], logprobs or 0, in_prompt=True)
+                    if step_index == max_new_tokens:
+                        return  # max_new_tokens 0: the prompt scored, nothing generated
+                last = out.logits[0, -1]  # (V,)
+                token = int(last.argmax())
+                yield token if logprobs is None else score_positions(last[None], [token], logprobs)[0]
                 if stop_at_eos and token in self._eos_ids:
                     return
                 step_ids = torch.tensor([[token]], device=device)
                 ids = torch.cat([ids, step_ids], dim=1)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this model can read: the rows of its input embedding."""
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
+        return int(model.get_input_embeddings().num_embeddings)
+
+    def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
+        """The text of a prompt given as token ids (special tokens left out), for the anomaly checks."""
+        tokenizer: Any = self.loaded.tokenizer
+        return tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
 
     @property
     def context_window(self) -> int | None:
@@ -404,11 +453,13 @@ class PruningEngine:
         sensitivity: float | None = None,
         layer_blacklist: Sequence[int] | None = None,
         log_level: LogLevel | None = None,
-        quality: bool = False,
+        quality: bool | str = False,
         use_cache: bool = True,
         request_id: str | None = None,
         prompt_ids: Sequence[int] | None = None,
         stop: Sequence[str] = (),
+        logprobs: int | None = None,
+        echo: bool = False,
     ) -> Iterator[TokenDelta | GenerationResult]:
         """Yield TokenDelta pieces as tokens are produced, then the GenerationResult.
 
@@ -416,16 +467,29 @@ class PruningEngine:
         check limits, or a raw completion prompt from `render_raw`); `prompt`/`messages` then only
         feed the anomaly checks. `stop`: strings that end the completion where one first appears in the
         generated text, which is cut before it (finish_reason "stop"); while streaming, the last
-        len(longest stop) - 1 characters wait until they cannot begin one.
+        len(longest stop) - 1 characters wait until they cannot begin one. `quality`: "on" (or True) scores the
+        served answer against the dense model in one teacher-forced pass; "full" also generates the dense answer
+        for the continuation figures and the divergence (engine.quality); the time is `quality_ms`, apart.
+
+        `logprobs` (0..MAX_TOP_LOGPROBS): every generated token's log-probability under this request's plan,
+        with that many most likely alternatives, in the pieces and the result (end of sequence included;
+        tokens from where a stop sequence begins left out, as their text is). None computes none.
+        `echo`: the prompt's text comes first (a TokenDelta with `echo`, and the result's `prompt_text`)
+        and, with `logprobs`, its tokens' log-probabilities from the prefill's own forward pass (the
+        first token's is None); `max_new_tokens` may then be 0, which scores the prompt only.
         """
         started = time.perf_counter()
         sensitivity = self.settings.sensitivity if sensitivity is None else float(sensitivity)
         blacklist = sorted(set(self.settings.layer_blacklist if layer_blacklist is None else layer_blacklist))
         log_level = self.settings.log_level if log_level is None else LogLevel(log_level)
         max_new_tokens = self.settings.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        least = 0 if echo else 1  # 0 new tokens only scores an echoed prompt
+        if max_new_tokens < least:
+            raise InvalidRequestError(f"max_new_tokens must be >= {least}, got {max_new_tokens}")
+        if logprobs is not None and not 0 <= int(logprobs) <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be within 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
         stops = stop_sequences(stop)
+        check = quality_check(quality)
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
         if not prompt_ids:
@@ -445,22 +509,50 @@ class PruningEngine:
         stopped_at = -1  # where a stop sequence begins in the text; -1 while none has appeared
         hold = max((len(s) for s in stops), default=1) - 1  # trailing characters that may begin a stop sequence
         first_token_at = None
-        tokenizer = self.loaded.tokenizer
+        tokenizer: Any = self.loaded.tokenizer
+        # With logprobs: each generated token's entry, where its characters begin in the completion (`whole`:
+        # the completion's length up to its last whole character), and how many went out with a piece.
+        scored: list[TokenLogprob] = []
+        whole = sent = 0
+        prompt_scores: list[Scored] = []
+        prompt_text: str | None = None
+        prompt_logprobs: list[TokenLogprob] | None = None
+        if echo and logprobs is None:
+            prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            yield TokenDelta(prompt_text, prompt_ids[-1], echo=True)
         with PeakMemory(self.loaded.device) as memory:
-            for token in self._decode(prompt_ids, plan, ledger, max_new_tokens, use_cache):
+            for item in self._decode(prompt_ids, plan, ledger, max_new_tokens, use_cache, logprobs=logprobs,
+                                     score_prompt=echo):
+                if isinstance(item, Scored):
+                    if item.in_prompt:
+                        prompt_scores.append(item)
+                        if len(prompt_scores) == len(prompt_ids):
+                            prompt_text, offsets = self.token_texts.offsets(prompt_ids)
+                            prompt_logprobs = [self.token_texts.entry(p, at) for p, at in zip(prompt_scores, offsets)]
+                            yield TokenDelta(prompt_text, prompt_ids[-1], tuple(prompt_logprobs), echo=True)
+                        continue
+                    token = item.token_id
+                    scored.append(self.token_texts.entry(item, whole))
+                else:
+                    token = item
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
                 tokens.append(token)
                 if token in self._eos_ids:
                     break
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):
+                    whole = len(text)
                 stopped_at = _first_stop(text, stops)
                 if stopped_at >= 0:
                     break
                 ready = len(text) - hold
                 if ready > len(text_so_far) and not text.endswith("\ufffd"):
-                    yield TokenDelta(text[len(text_so_far):ready], token)
-                    text_so_far = text[:ready]
+                    done = sent
+                    while done < len(scored) and scored[done].offset < ready:  # tokens whose text begins in it
+                        done += 1
+                    yield TokenDelta(text[len(text_so_far):ready], token, tuple(scored[sent:done]))
+                    text_so_far, sent = text[:ready], done
             if self.loaded.device.type == "cuda":
                 torch.cuda.synchronize(self.loaded.device)
             inferred = time.perf_counter()
@@ -470,20 +562,25 @@ class PruningEngine:
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if stopped_at >= 0:
                 text = text[:stopped_at]
+                scored = [entry for entry in scored if entry.offset < stopped_at]  # as the text, cut before the stop
             if len(text) > len(text_so_far):
-                yield TokenDelta(text[len(text_so_far):], tokens[-1])
+                yield TokenDelta(text[len(text_so_far):], tokens[-1], tuple(scored[sent:]))
+            served_ids = self._served_ids(tokens, text, stopped_at)
             report = None
             quality_s = 0.0
-            if quality:  # its own figure: the dense re-run is not part of this request's postprocessing
+            if check != "off":  # its own figure: the scoring is not part of this request's postprocessing
                 quality_started = time.perf_counter()
-                if plan.skips_work:
-                    # A stop sequence ended the answer where its text did: the dense reference is scored over
+                dense = None
+                if check == "full":
+                    # A stop sequence ended the answer where its text did: the dense reference is generated over
                     # as many tokens, not over the text the client never received.
                     reference_tokens = len(tokens) if stopped_at >= 0 else max_new_tokens
-                    dense = list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
-                else:
-                    dense = tokens
-                report = score_against_dense(self.instrumented, prompt_ids, dense, plan, self.loaded.device)
+                    dense = (list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
+                             if plan.skips_work else tokens)
+                report = quality_report(self.instrumented, prompt_ids, served_ids, plan, self.loaded.device, dense)
+                if report is not None and dense is not None:  # where the served text leaves the dense text
+                    report = replace(report, divergence_at=divergence(
+                        served_ids, [t for t in dense if t not in self._eos_ids]))
                 quality_s = time.perf_counter() - quality_started
             peak = memory.peak_bytes()
         completion = len(tokens)
@@ -529,7 +626,9 @@ class PruningEngine:
         self._log(stats, bypass_plan, log_level)
         stats.quality_ms = _ms(quality_s)
         stats.postprocessing_ms = _ms(time.perf_counter() - inferred - quality_s)
-        yield GenerationResult(text=text, token_ids=tokens, stats=stats)
+        yield GenerationResult(text=text, token_ids=tokens, stats=stats, served_ids=served_ids,
+                               logprobs=scored if logprobs is not None else None,
+                               prompt_logprobs=prompt_logprobs, prompt_text=prompt_text)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Run one request to completion; see `stream` for the parameters."""
@@ -594,11 +693,29 @@ class PruningEngine:
         return replace(plan, layer_sparsity=per_layer,
                        family_scale=tuple(sorted(self.settings.sparsity_family_scale.items())))
 
+    def answer_logprobs(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> tuple[list[bool], list[float]]:
+        """An answer (from this engine or any other with the same tokenizer) scored by this model run dense, in one
+        teacher-forced pass: per token, whether it is the argmax, and its log-probability (engine.quality). The
+        collector's in-process reference calls it."""
+        return answer_token_scores(self.instrumented.model, prompt_ids, answer_ids, self.loaded.device)
+
+    def reference_answer(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """This model's own greedy answer, dense, ended by end of sequence (left out) or the length."""
+        tokens = list(self._decode(list(prompt_ids), ExecutionPlan(), ExecutionLedger(), max_new_tokens, True))
+        return [t for t in tokens if t not in self._eos_ids]
+
+    def _served_ids(self, tokens: list[int], text: str, stopped_at: int) -> list[int]:
+        """The answer's tokens as the client received them: end of sequence left out, and an answer cut by a
+        stop sequence re-tokenized from its text (the tokens past the cut were never served)."""
+        if stopped_at >= 0:
+            return list(self.loaded.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+        return [t for t in tokens if t not in self._eos_ids]
+
     def _quality_flags(self, ratio: float, report) -> list[str]:
         flags = []
         if ratio > self.settings.ratio_red_line:
             flags.append("ratio_above_red_line")
-        if report is not None and report.token_agreement < self.settings.agreement_floor:
+        if report is not None and report.reference_agreement < self.settings.agreement_floor:
             flags.append("agreement_below_floor")
         return flags
 

@@ -1,8 +1,15 @@
-"""Score a pruned execution plan against the dense model on the same prompt.
+"""Score what a request served against the dense model (the reference) on the same prompt.
 
-Teacher forcing on the dense continuation isolates the plan's effect from divergence: both
-models read the very same tokens, and we compare their next-token predictions position by
-position (agreement) and the likelihood each assigns to the dense continuation (perplexity).
+The primary figure reads the served answer itself: one teacher-forced pass of the dense model over
+prompt + served answer gives, at every answer position, the dense argmax given the served prefix;
+the reference-scored agreement is the share of answer tokens equal to it, and the served answer's
+mean NLL under the dense model comes from the same pass. No second generation is needed, and the
+same figure scores any engine that returns text (collector/reference.py does that over HTTP).
+
+The secondary figure needs the dense model's own greedy continuation: the pruned plan is
+teacher-forced on it, so both models read the very same tokens and the plan's effect is measured
+position by position, apart from divergence (agreement and perplexity on the dense continuation).
+It is more forgiving: an answer that left the dense path at token 2 can still score about 31/32.
 
 The primitives (greedy continuation, teacher-forced logits, agreement, NLL) are public so the
 benchmarks measure quality exactly as the engine reports it, rather than with a copy that can drift.
@@ -12,13 +19,48 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
+from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
 from prunewatch.engine.stats import QualityReport
+
+QUALITY_CHECKS = ("off", "on", "full")
+"""What a request's quality check does: nothing; score the served answer against the dense model (one
+teacher-forced pass); or that plus a dense re-generation for the continuation figures and the divergence."""
+
+
+def quality_check(value: bool | str | None) -> str:
+    """A request's quality check as one of QUALITY_CHECKS (True is "on", False and None "off")."""
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "on"
+    check = str(value).strip().lower()
+    if check not in QUALITY_CHECKS:
+        raise InvalidRequestError(f"quality must be one of {', '.join(QUALITY_CHECKS)}, got {value!r}")
+    return check
+
+
+@dataclass(frozen=True)
+class ServedScore:
+    """A served answer scored by a reference: counts, so callers can pool them over answers."""
+
+    matches: int  # answer tokens equal to the reference's argmax given the served prefix
+    tokens: int  # answer tokens scored
+    nll_sum: float  # summed NLL (nats) of the answer's tokens under the reference
+
+    @property
+    def agreement(self) -> float:
+        return self.matches / self.tokens
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll_sum / self.tokens
 
 
 @torch.no_grad()
@@ -89,16 +131,52 @@ def teacher_forced_nll(model: nn.Module, ids: torch.Tensor, plan: ExecutionPlan,
     return next_token_nll(logits, ids[0, 1:]), ids.shape[1] - 1
 
 
-def score_against_dense(
-    instrumented: InstrumentedModel,
-    prompt_ids: list[int],
-    dense_continuation: list[int],
-    plan: ExecutionPlan,
-    device: torch.device,
-) -> QualityReport | None:
-    """Agreement and perplexity delta of `plan` on the dense continuation; None if it is empty."""
-    if not dense_continuation:
+@torch.no_grad()
+def answer_token_scores(model: nn.Module, prompt_ids: Sequence[int], answer_ids: Sequence[int],
+                        device: torch.device) -> tuple[list[bool], list[float]]:
+    """Per answer token: whether it is `model`'s argmax given prompt + the answer before it, and its log-probability;
+    `model` run dense in one teacher-forced pass over prompt + answer. The work is counted into a throwaway ledger:
+    scoring is not the request's work."""
+    if not answer_ids:
+        return [], []
+    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=device)  # (1, P + A)
+    logits = teacher_forced_logits(model, ids, ExecutionPlan())[len(prompt_ids) - 1:-1]  # (A, V): predicts the answer
+    targets = ids[0, len(prompt_ids):]  # (A,)
+    greedy = logits.argmax(dim=-1) == targets  # (A,)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]  # (A,)
+    return greedy.tolist(), logprobs.tolist()
+
+
+def score_served(model: nn.Module, prompt_ids: Sequence[int], answer_ids: Sequence[int],
+                 device: torch.device) -> ServedScore | None:
+    """`answer_ids` scored by `model` run dense (answer_token_scores, pooled); None when the answer is empty."""
+    greedy, logprobs = answer_token_scores(model, prompt_ids, answer_ids, device)
+    if not greedy:
         return None
+    return ServedScore(matches=sum(greedy), tokens=len(greedy), nll_sum=-sum(logprobs))
+
+
+def divergence(served: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The first token index where `served` leaves `reference` (one ending where the other goes on counts);
+    None when they are the same tokens."""
+    for index, (a, b) in enumerate(zip(served, reference)):
+        if a != b:
+            return index
+    return None if len(served) == len(reference) else min(len(served), len(reference))
+
+
+def quality_report(instrumented: InstrumentedModel, prompt_ids: list[int], served_ids: list[int], plan: ExecutionPlan,
+                   device: torch.device, dense_continuation: list[int] | None = None) -> QualityReport | None:
+    """The served answer scored against the dense model; with `dense_continuation` (the dense model's own greedy
+    answer), also the plan's agreement and perplexity on it and where the served answer leaves it. None when
+    nothing was served."""
+    served = score_served(instrumented.model, prompt_ids, served_ids, device)
+    if served is None:
+        return None
+    report = QualityReport(reference_agreement=round(served.agreement, 6), reference_tokens=served.tokens,
+                           served_nll=round(served.mean_nll, 6))
+    if not dense_continuation:
+        return report
     ids = torch.tensor([prompt_ids + dense_continuation], device=device)
     start = len(prompt_ids) - 1  # logits at position t predict token t + 1
     targets = ids[0, len(prompt_ids):]
@@ -106,16 +184,20 @@ def score_against_dense(
     pruned_logits = (dense_logits if not plan.skips_work
                      else teacher_forced_logits(instrumented.model, ids, plan)[start:-1])
     matches, positions = token_agreement(pruned_logits, targets)
-    agreement = matches / positions
     dense_nll = next_token_nll(dense_logits, targets, reduction="mean")
     pruned_nll = next_token_nll(pruned_logits, targets, reduction="mean")
     dense_ppl, pruned_ppl = math.exp(dense_nll), math.exp(pruned_nll)
     return QualityReport(
-        token_agreement=round(agreement, 6),
+        reference_agreement=report.reference_agreement,
+        reference_tokens=report.reference_tokens,
+        served_nll=report.served_nll,
+        continuation_agreement=round(matches / positions, 6),
         dense_perplexity=round(dense_ppl, 4),
         pruned_perplexity=round(pruned_ppl, 4),
         perplexity_delta_pct=round((pruned_ppl - dense_ppl) / dense_ppl * 100.0, 4),
-        scored_tokens=int(targets.numel()),
+        continuation_tokens=int(targets.numel()),
+        reference_nll=round(dense_nll, 6),
+        divergence_at=divergence(served_ids, dense_continuation),
     )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prunewatch.engine.logprobs import TokenLogprob
+
 RATIO_UNIT = "linear_flops"
 """The pruning ratio's unit: FLOPs of the linear (matmul) layers, 2 x in x out per token row.
 
@@ -22,13 +24,24 @@ it would mean work was counted twice."""
 
 @dataclass(frozen=True)
 class QualityReport:
-    """Pruned output scored against the dense model on the same prompt."""
+    """The answer this request served, scored against the dense model (the reference) on the same prompt.
 
-    token_agreement: float  # teacher-forced argmax match rate on the dense continuation, 0..1
-    dense_perplexity: float  # perplexity of the dense continuation under the dense model
-    pruned_perplexity: float  # ... and under the pruned model with the request's plan
-    perplexity_delta_pct: float  # (pruned - dense) / dense x 100
-    scored_tokens: int  # length of the dense continuation that was scored
+    The primary figures read the served answer itself: one teacher-forced pass of the dense model over
+    prompt + served answer, counting the answer's tokens that equal the dense argmax given the served
+    prefix. The `continuation_*` figures need a second, dense generation (quality "full"): the pruned
+    model teacher-forced on the dense model's own continuation, a more forgiving figure (an answer that
+    left the dense path early can still score high there) that only this engine can give."""
+
+    reference_agreement: float  # share of served answer tokens equal to the dense argmax, 0..1
+    reference_tokens: int  # served answer tokens scored
+    served_nll: float  # mean NLL (nats/token) of the served answer under the dense model
+    continuation_agreement: float | None = None  # pruned plan's argmax on the dense continuation, teacher-forced
+    dense_perplexity: float | None = None  # perplexity of the dense continuation under the dense model
+    pruned_perplexity: float | None = None  # ... and under the pruned model with the request's plan
+    perplexity_delta_pct: float | None = None  # (pruned - dense) / dense x 100
+    continuation_tokens: int | None = None  # length of the dense continuation that was scored
+    reference_nll: float | None = None  # mean NLL of the dense continuation under the dense model
+    divergence_at: int | None = None  # first token where the served answer leaves the dense one; None: it never does
 
 
 @dataclass
@@ -82,5 +95,13 @@ class GenerationResult:
     """Generated text plus the request's statistics."""
 
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # every generated token, end of sequence included
     stats: RequestStats
+    served_ids: list[int] | None = None  # the tokens the client received: no end of sequence, none past a stop cut
+    # Asked for with logprobs: every token of `text` (and the end of sequence, if it ended so) with its
+    # log-probability; `offset` counts characters of `text`. None when not asked for.
+    logprobs: list[TokenLogprob] | None = None
+    # Asked for with echo: the prompt as its tokens decode, and with logprobs its tokens' entries (the
+    # first one's logprob is None); `offset` counts characters of `prompt_text`.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None

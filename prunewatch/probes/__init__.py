@@ -1,13 +1,18 @@
-"""Canonical domain probes: fixed, versioned, hashed prompts, so trends compare like with like."""
+"""Versioned, hashed probes: calibration sets engines are fitted on, evaluation sets quality is read on."""
 
+from prunewatch.probes.checks import Check
 from prunewatch.probes.loader import (
-                           DEFAULT_PROBES_PATH,
-                           Probe,
-                           ProbeFileError,
-                           ProbeSet,
-                           heldout_texts,
-                           load_probes,
-                           read_yaml,
+    CALIBRATION_PATH,
+    DEFAULT_PROBES_PATH,
+    EVALUATION_PATH,
+    Probe,
+    ProbeFileError,
+    ProbeSet,
+    heldout_texts,
+    load_calibration_set,
+    load_probes,
+    read_yaml,
 )
 
-__all__ = ["DEFAULT_PROBES_PATH", "Probe", "ProbeFileError", "ProbeSet", "heldout_texts", "load_probes", "read_yaml"]
+__all__ = ["CALIBRATION_PATH", "DEFAULT_PROBES_PATH", "EVALUATION_PATH", "Check", "Probe", "ProbeFileError",
+           "ProbeSet", "heldout_texts", "load_calibration_set", "load_probes", "read_yaml"]

@@ -1,9 +1,15 @@
 """Load and validate a probes YAML file.
 
-Each probe has an id, a domain, a version, a system prompt, a prompt and max_tokens. Its content
-hash covers everything that changes what the model is asked, so a result row always names the
-exact text it measured; changing the text without bumping the version is refused when a known
-hash is supplied (see ProbeSet.check_versions).
+Each probe has an id, a domain, a version, a system prompt, a prompt, max_tokens and optionally a
+machine check of its answer (probes/checks.py). Its content hash covers everything that changes what
+the model is asked and how the answer is judged, so a result row always names the exact text it
+measured.
+
+Every file has a role. *Calibration* sets are what thresholds, block influence and the greedy
+sparsity plan are fitted on (`calibration.yaml`); *evaluation* sets are what quality, the frontier,
+the governor, the alerts and ROI read (`evaluation.yaml`, and `canonical.yaml`, the collector's
+default domain probes, a subset of it). No text is in both: an evaluation set refuses to hand out
+calibration texts, and a test checks that no evaluation prompt shares an 8-word run with calibration.
 """
 
 from __future__ import annotations
@@ -12,13 +18,22 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-DEFAULT_PROBES_PATH = Path(__file__).resolve().parent / "canonical.yaml"
+from prunewatch.probes.checks import Check, CheckSpec
+
+DEFAULT_PROBES_PATH = Path(str(files("prunewatch.probes").joinpath("canonical.yaml")))
+"""The collector's default probes: the canonical legal, tech and finance prompts (role evaluation)."""
+EVALUATION_PATH = Path(str(files("prunewatch.probes").joinpath("evaluation.yaml")))
+"""The broad held-out evaluation set (role evaluation) benchmarks and defaults are judged on."""
+CALIBRATION_PATH = Path(str(files("prunewatch.probes").joinpath("calibration.yaml")))
+"""The calibration set (role calibration) every engine is calibrated on."""
+ROLES = ("calibration", "evaluation")
 
 
 class ProbeFileError(ValueError):
@@ -34,6 +49,7 @@ class _ProbeSpec(BaseModel):
     max_tokens: int = Field(ge=1, le=4096)
     system: str = ""
     prompt: str = Field(min_length=1)
+    check: CheckSpec | None = None
 
     @field_validator("prompt", "system")
     @classmethod
@@ -51,13 +67,15 @@ class Probe:
     max_tokens: int
     system: str
     prompt: str
+    check: Check | None = None  # how the served answer is judged correct; None: no machine check
 
     @property
     def content_hash(self) -> str:
-        """sha256 of the fields that define what is asked (first 16 hex digits)."""
-        payload = json.dumps(
-            {"system": self.system, "prompt": self.prompt, "max_tokens": self.max_tokens}, sort_keys=True
-        )
+        """sha256 of the fields that define what is asked and how it is judged (first 16 hex digits)."""
+        fields: dict[str, object] = {"system": self.system, "prompt": self.prompt, "max_tokens": self.max_tokens}
+        if self.check is not None:  # probes without a check keep the hash they always had
+            fields["check"] = self.check.describe()
+        payload = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -67,6 +85,7 @@ class ProbeSet:
 
     probes: tuple[Probe, ...]
     source: str
+    role: str = "evaluation"  # calibration or evaluation (see the module doc)
 
     @property
     def digest(self) -> str:
@@ -85,9 +104,17 @@ class ProbeSet:
             out.setdefault(probe.domain, []).append(probe)
         return out
 
-    def calibration_texts(self) -> dict[str, list[str]]:
-        """Per domain, the probe texts (system + prompt) used to calibrate the engine."""
+    def texts(self) -> dict[str, list[str]]:
+        """Per domain, the probe texts (system + prompt)."""
         return {d: [f"{p.system}\n\n{p.prompt}".strip() for p in ps] for d, ps in self.by_domain().items()}
+
+    def calibration_texts(self) -> dict[str, list[str]]:
+        """Per domain, the texts an engine is calibrated on; only a calibration set has them (an evaluation set
+        that was calibrated on would no longer measure held-out quality)."""
+        if self.role != "calibration":
+            raise ProbeFileError(f"{self.source} is an {self.role} set: engines are calibrated on a calibration set "
+                                 f"only (default {CALIBRATION_PATH.name})")
+        return self.texts()
 
     def filter(self, domains: Iterable[str] | None) -> ProbeSet:
         if not domains:
@@ -96,7 +123,7 @@ class ProbeSet:
         unknown = wanted - set(self.domains)
         if unknown:
             raise ProbeFileError(f"unknown domain(s) {sorted(unknown)}; the probes cover {self.domains}")
-        return ProbeSet(tuple(p for p in self.probes if p.domain in wanted), self.source)
+        return ProbeSet(tuple(p for p in self.probes if p.domain in wanted), self.source, self.role)
 
 
 def _describe(error: ValidationError, index: int, raw: object) -> str:
@@ -133,13 +160,29 @@ def load_probes(path: Path | str = DEFAULT_PROBES_PATH) -> ProbeSet:
         if spec.id in seen:
             raise ProbeFileError(f"{path}: probe id {spec.id!r} appears twice")
         seen.add(spec.id)
-        probes.append(Probe(**spec.model_dump()))
+        fields = spec.model_dump(exclude={"check"})
+        probes.append(Probe(**fields, check=spec.check.build() if spec.check is not None else None))
     if not probes:
         raise ProbeFileError(f"{path}: the probes list is empty")
-    return ProbeSet(tuple(probes), str(path))
+    role = document.get("role", "evaluation")
+    if role not in ROLES:
+        raise ProbeFileError(f"{path}: role must be one of {', '.join(ROLES)}, got {role!r}")
+    unknown = set(document) - {"probes", "role"}
+    if unknown:
+        raise ProbeFileError(f"{path}: unknown top-level key(s) {sorted(unknown)}; a probes file has role and probes")
+    return ProbeSet(tuple(probes), str(path), role)
 
 
-HELDOUT_PATH = Path(__file__).resolve().parent / "heldout.txt"
+def load_calibration_set(path: Path | str = CALIBRATION_PATH) -> ProbeSet:
+    """The calibration set (ProbeFileError unless the file's role is calibration)."""
+    probe_set = load_probes(path)
+    if probe_set.role != "calibration":
+        raise ProbeFileError(f"{path} has role {probe_set.role}, not calibration: engines are calibrated on a "
+                             "calibration set only")
+    return probe_set
+
+
+HELDOUT_PATH = Path(str(files("prunewatch.probes").joinpath("heldout.txt")))
 
 
 def heldout_texts(path: Path = HELDOUT_PATH) -> list[str]:

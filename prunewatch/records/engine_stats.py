@@ -7,8 +7,9 @@ the engine.
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
-from prunewatch.engine.stats import RequestStats
+from prunewatch.engine.stats import QualityReport, RequestStats
 from prunewatch.probes import Probe
 from prunewatch.records.results import ProbeResult
 
@@ -27,8 +28,20 @@ def probe_result_from_stats(*, target: str, probe: Probe, round_id: str, stats: 
         target=target, probe_id=probe.id, probe_version=probe.version, probe_hash=probe.content_hash,
         domain=probe.domain, status="ok", round_id=round_id, **copied,
         quality_ms=stats.quality_ms if quality else None,  # absent when no check ran, not 0
-        token_agreement=quality.token_agreement if quality else None,
-        perplexity_delta_pct=quality.perplexity_delta_pct if quality else None,
+        **quality_fields(quality),
         matched_domain=stats.domain,  # the calibrated domain the prompt matched; `domain` is the probe's
         duration_ms=duration_ms, output_text=text, device=stats.device or None, device_name=device_name,
     )
+
+
+QUALITY_FIELDS = ("reference_agreement", "reference_tokens", "served_nll", "reference_nll", "divergence_at",
+                  "continuation_agreement", "perplexity_delta_pct")
+"""QualityReport figures a ProbeResult keeps under the same name."""
+
+
+def quality_fields(quality: QualityReport | None) -> dict[str, Any]:
+    """A request's own quality check as ProbeResult fields; all None (not 0) when none ran. The engine scored the
+    answer against its own weights run dense: `quality_source` "engine"."""
+    if quality is None:
+        return {name: None for name in QUALITY_FIELDS} | {"quality_source": None}
+    return {name: getattr(quality, name) for name in QUALITY_FIELDS} | {"quality_source": "engine"}

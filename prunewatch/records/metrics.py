@@ -16,6 +16,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from prunewatch.records.quality_window import AnswerWindow, QualityWindows
 from prunewatch.records.results import FAILURE_REASONS, ProbeResult
 
 LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.2, 2.0, 5.0)
@@ -108,13 +109,18 @@ RESULT_FAMILIES: tuple[ResultFamily, ...] = (
     ResultFamily("prunewatch_postprocessing_latency_seconds", "histogram", "Detokenize + stats time of a probe.",
                  _DOMAIN, lambda r: _seconds(r.postprocessing_ms), PHASE_BUCKETS),
     ResultFamily("prunewatch_quality_check_latency_seconds", "histogram",
-                 "Dense re-run + teacher-forced scoring time of a probe's quality check.",
+                 "Time of a probe's quality check: scoring the served answer (and a dense re-run in a full check).",
                  _DOMAIN, lambda r: _seconds(r.quality_ms), PROBE_DURATION_BUCKETS),
     ResultFamily("prunewatch_time_to_first_token_seconds", "histogram", "Request start to first generated token.",
                  _DOMAIN, lambda r: _seconds(r.ttft_ms), PHASE_BUCKETS),
-    ResultFamily("prunewatch_token_agreement", "gauge",
-                 "Teacher-forced argmax agreement of the pruned model with the dense model, last probe.",
-                 _PROBE, lambda r: r.token_agreement),
+    ResultFamily("prunewatch_reference_agreement", "gauge",
+                 "Share of the served answer's tokens equal to a dense reference's argmax given the served prefix, "
+                 "last probe (0..1).",
+                 _PROBE, lambda r: r.reference_agreement),
+    ResultFamily("prunewatch_continuation_agreement", "gauge",
+                 "Pruned model's argmax agreement, teacher-forced on the dense model's own continuation, last probe "
+                 "(a full check of a prunewatch engine only; more forgiving than the reference agreement).",
+                 _PROBE, lambda r: r.continuation_agreement),
     ResultFamily("prunewatch_dram_bytes_per_instruction", "gauge",
                  "DRAM bytes per instruction; source=ncu (measured) or estimate (model-level).",
                  ("model", "domain", "source", "target"), lambda r: r.dram_bytes_per_instruction),
@@ -144,6 +150,32 @@ RESULT_FAMILIES: tuple[ResultFamily, ...] = (
 )
 """Every family a probe result feeds, in one table (names checked when CollectorMetrics is built)."""
 
+QUALITY_AGREEMENT = "prunewatch_reference_agreement_window"
+QUALITY_PROMPTS = "prunewatch_reference_agreement_prompts"
+TASK_PASS_RATE = "prunewatch_task_pass_rate_window"
+BOUNDS = ("estimate", "low", "high")
+WINDOW_LABELS = ("model", "domain", "target", "bound")
+QUALITY_WINDOW_FAMILIES = {
+    QUALITY_AGREEMENT: "Reference-scored agreement pooled over the prompts a target answered at its current "
+                       "sensitivity in its last rounds (records/quality_window.py), bound=estimate, and the 95% "
+                       "interval bootstrapped over prompts, bound=low / high.",
+    TASK_PASS_RATE: "Share of checked prompts whose newest answer passed the probe's check, over the same window; "
+                    "bound=estimate / low / high as for the agreement.",
+}
+"""Gauges derived from a window of results rather than from one (set by CollectorMetrics, replayed by the
+embedded evaluator the same way)."""
+
+
+def window_samples(window: AnswerWindow) -> dict[str, dict[str, float]]:
+    """The window gauges' values for one (target, model, domain): family -> bound -> value; prompts apart."""
+    out: dict[str, dict[str, float]] = {}
+    for family, interval in ((QUALITY_AGREEMENT, window.agreement()), (TASK_PASS_RATE, window.pass_rate())):
+        if interval is not None:
+            out[family] = {"estimate": interval.estimate, "low": interval.low, "high": interval.high}
+            if family == QUALITY_AGREEMENT:
+                out[QUALITY_PROMPTS] = {"": float(interval.prompts)}
+    return out
+
 
 class CollectorMetrics:
     """The collector's metric families (RESULT_FAMILIES), registered in the given registry."""
@@ -155,6 +187,12 @@ class CollectorMetrics:
         self._depth: Callable[[], float] | None = None
         self.families: dict[str, Gauge | Counter | Histogram] = {
             family.name: _build(family, self.registry) for family in RESULT_FAMILIES}
+        self.windows = QualityWindows()
+        self.window_gauges = {name: Gauge(check_metric_name(name), text, list(WINDOW_LABELS), registry=self.registry)
+                              for name, text in QUALITY_WINDOW_FAMILIES.items()}
+        self.window_gauges[QUALITY_PROMPTS] = Gauge(
+            check_metric_name(QUALITY_PROMPTS), "Prompts behind prunewatch_reference_agreement_window.",
+            ["model", "domain", "target"], registry=self.registry)
         self._preset: set[tuple[str, tuple[str, ...]]] = set()  # (family, label values) whose reasons exist
         self.buffer_depth: Gauge | None = None
         self.buffer_dropped: Counter | None = None
@@ -224,8 +262,19 @@ class CollectorMetrics:
                     metric.inc(value)
                 else:
                     metric.observe(value)
+            if not live:
+                self._record_window(result)
         finally:
             self.changed()
+
+    def _record_window(self, result: ProbeResult) -> None:
+        window = self.windows.add(result)
+        if window is None:
+            return
+        for family, values in window_samples(window).items():
+            for bound, value in values.items():
+                labels = (result.model, result.domain, result.target) + ((bound,) if bound else ())
+                self.window_gauges[family].labels(*labels).set(value)
 
     def _preset_reasons(self, family: ResultFamily, values: tuple[str, ...]) -> None:
         """Create the family's series for every preset reason at 0, once per set of its other labels."""

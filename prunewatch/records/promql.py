@@ -40,10 +40,10 @@ PROMQL_REQUEST_P99_5M = (
 
 
 # -- alerting ---------------------------------------------------------------------------------
-PROMQL_AGREEMENT_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_token_agreement)"
+PROMQL_AGREEMENT_BY_DOMAIN = "avg by (target, model, domain) (prunewatch_continuation_agreement)"
 """Token agreement with the dense model, last probe of each probe id, averaged per target, model and domain."""
 
-PROMQL_AGREEMENT_AVG_1H = "avg by (target, model, domain) (avg_over_time(prunewatch_token_agreement[1h]))"
+PROMQL_AGREEMENT_AVG_1H = "avg by (target, model, domain) (avg_over_time(prunewatch_continuation_agreement[1h]))"
 """One hour of token agreement per target, model and domain: one probe's bad answer does not page anyone."""
 
 PROMQL_BUFFER_DEPTH = "prunewatch_collector_buffer_depth"

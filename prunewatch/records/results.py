@@ -64,7 +64,17 @@ class ProbeResult:
     ttft_ms: float | None = None
     tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
-    token_agreement: float | None = None
+    # Quality of the served answer, scored against a dense reference (see prunewatch/collector/reference.py):
+    reference_agreement: float | None = None  # served tokens equal to the reference's argmax given the served prefix
+    reference_tokens: int | None = None  # served answer tokens scored
+    served_nll: float | None = None  # mean NLL (nats/token) of the served answer under the reference
+    reference_nll: float | None = None  # ... of the reference's own greedy answer (when one was generated)
+    divergence_at: int | None = None  # first token where the served answer leaves the reference's greedy answer
+    quality_source: str | None = None  # "engine" (the serving engine's own dense pass) or "reference:<name>"
+    task_passed: bool | None = None  # the probe's machine check on the served text; None: the probe has none
+    # Secondary, from a prunewatch engine asked for the full check: the pruned model teacher-forced on the dense
+    # model's own continuation (an answer that left the dense path early can still score high here).
+    continuation_agreement: float | None = None
     perplexity_delta_pct: float | None = None
     matched_domain: str | None = None
     domain_confidence: float | None = None

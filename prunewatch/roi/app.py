@@ -142,7 +142,7 @@ def show_measured(summary: MeasuredSummary) -> None:
     cols[2].metric("Mean pruning ratio", "n/a" if summary.mean_pruning_ratio is None else f"{summary.mean_pruning_ratio:.3f}",
                    help=f"measured: work skipped / dense work ({summary.ratio_unit or 'no unit'}), pruned configuration")
     cols[3].metric("Token agreement (quality kept)",
-                   "n/a" if summary.token_agreement_mean is None else pct(summary.token_agreement_mean),
+                   "n/a" if summary.continuation_agreement_mean is None else pct(summary.continuation_agreement_mean),
                    help="measured: pruned vs dense argmax agreement on the dense continuation, mean over probes")
     cols[4].metric("Pruned / dense runs", f"{summary.pruned_results} / {summary.dense_results}",
                    help="measured: successful probes with sensitivity > 0 / with sensitivity 0")

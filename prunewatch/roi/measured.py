@@ -96,8 +96,8 @@ class MeasuredSummary(BaseModel):
     prompt_tokens: float | None = Field(None, description="Mean prompt tokens per pruned-configuration request.")
     completion_tokens: float | None = Field(None, description="Mean completion tokens per pruned-configuration request.")
     tokens_per_s: float | None = None
-    token_agreement_mean: float | None = None
-    token_agreement_min: float | None = None
+    continuation_agreement_mean: float | None = None
+    continuation_agreement_min: float | None = None
     perplexity_delta_pct_mean: float | None = None
     first_result_at: datetime | None = None
     last_result_at: datetime | None = None
@@ -193,7 +193,7 @@ def summarize(results: Iterable[ProbeResult], window: Window, target: str | None
     pruned_by_probe, dense_by_probe = _per_probe_ms(pruned), _per_probe_ms(dense)
     matched = sorted(set(pruned_by_probe) & set(dense_by_probe))
     units = Counter(r.ratio_unit for r in pruned if r.ratio_unit)
-    agreement = [r.token_agreement for r in pruned if r.token_agreement is not None]
+    agreement = [r.continuation_agreement for r in pruned if r.continuation_agreement is not None]
     return MeasuredSummary(
         window=window, target=target, model=model,
         targets=sorted({r.target for r in everything}),
@@ -212,8 +212,8 @@ def summarize(results: Iterable[ProbeResult], window: Window, target: str | None
         prompt_tokens=_mean(r.prompt_tokens for r in pruned),
         completion_tokens=_mean(r.completion_tokens for r in pruned),
         tokens_per_s=_mean(r.tokens_per_s for r in pruned),
-        token_agreement_mean=fmean(agreement) if agreement else None,
-        token_agreement_min=min(agreement) if agreement else None,
+        continuation_agreement_mean=fmean(agreement) if agreement else None,
+        continuation_agreement_min=min(agreement) if agreement else None,
         perplexity_delta_pct_mean=_mean(r.perplexity_delta_pct for r in pruned),
         first_result_at=min((r.created_at for r in chosen), default=None),
         last_result_at=max((r.created_at for r in chosen), default=None),
@@ -233,7 +233,7 @@ class TrendPoint(BaseModel):
     mean_pruning_ratio: float | None
     pruned_inference_ms: float | None
     dense_inference_ms: float | None
-    token_agreement: float | None
+    continuation_agreement: float | None
 
 
 def choose_bucket_s(first: datetime, last: datetime) -> int:
@@ -266,7 +266,7 @@ def trend(results: Sequence[ProbeResult], bucket_s: int | None = None) -> tuple[
             mean_pruning_ratio=_mean(r.pruning_ratio for r in pruned),
             pruned_inference_ms=_mean(r.inference_ms for r in pruned),
             dense_inference_ms=_mean(r.inference_ms for r in dense),
-            token_agreement=_mean(r.token_agreement for r in pruned),
+            continuation_agreement=_mean(r.continuation_agreement for r in pruned),
         ))
     return width, points
 

@@ -120,8 +120,8 @@ def _summary_blocks(summary: MeasuredSummary, result: RoiResult, assumptions: As
                             f"<b>{_e(payback_text(pay))}</b> on the allocation basis.")
     where = f"target {summary.target}" if summary.target else "all targets"
     ratio = "n/a" if summary.mean_pruning_ratio is None else pct(summary.mean_pruning_ratio)
-    agreement = ("not scored" if summary.token_agreement_mean is None
-                 else f"{pct(summary.token_agreement_mean)} token agreement with the dense model")
+    agreement = ("not scored" if summary.continuation_agreement_mean is None
+                 else f"{pct(summary.continuation_agreement_mean)} token agreement with the dense model")
     volume = result.inputs.requests_per_day
     blocks: list[Block] = [
         Heading("Summary"),
@@ -205,9 +205,9 @@ def _savings_blocks(summary: MeasuredSummary, result: RoiResult, charts: dict[st
 def _trend_blocks(summary: MeasuredSummary, charts: dict[str, bytes], bucket_label: str, swing: float) -> list[Block]:
     failures = ", ".join(f"{k}: {v}" for k, v in summary.failures_by_reason.items()) or "none"
     quality_rows = (
-        ("Mean token agreement", "n/a" if summary.token_agreement_mean is None else pct(summary.token_agreement_mean),
+        ("Mean token agreement", "n/a" if summary.continuation_agreement_mean is None else pct(summary.continuation_agreement_mean),
          "measured: pruned vs dense argmax match on the dense continuation"),
-        ("Lowest token agreement", "n/a" if summary.token_agreement_min is None else pct(summary.token_agreement_min),
+        ("Lowest token agreement", "n/a" if summary.continuation_agreement_min is None else pct(summary.continuation_agreement_min),
          "measured: worst single probe in the window"),
         ("Mean perplexity change",
          "n/a" if summary.perplexity_delta_pct_mean is None else f"{summary.perplexity_delta_pct_mean:+.2f}%",

@@ -20,7 +20,9 @@ from jinja2 import TemplateError
 
 from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.hardware import device_model_name
+from prunewatch.engine.logprobs import TokenLogprob
 from prunewatch.engine.pruning_engine import PruningEngine, TokenDelta, stop_sequences
+from prunewatch.engine.quality import quality_check
 from prunewatch.engine.settings import LogLevel
 from prunewatch.engine.stats import GenerationResult, RequestStats
 from prunewatch.server.admission import AdmissionQueue, GenerationJob, QueueFullError, Slot
@@ -62,6 +64,8 @@ class GenerationSpec:
     pruning: PruningRequest
     stream: bool
     stop: tuple[str, ...] = ()  # strings that end the completion (OpenAI's `stop`)
+    logprobs: int | None = None  # most likely tokens listed per position; None: no logprobs at all
+    echo: bool = False  # a completion returns its prompt first
 
     @property
     def response_id(self) -> str:
@@ -92,6 +96,32 @@ def prunewatch_block(stats: RequestStats, queue_ms: float, device_name: str | No
     }).model_dump()
 
 
+def completion_logprobs(entries: list[TokenLogprob], base: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy `logprobs` object for `entries`, their offsets shifted by `base` characters (an echoed
+    prompt's length). Each position's top_logprobs maps token text to logprob, the token itself included (as
+    OpenAI does); where two tokens share a text, the more likely keeps the key."""
+    tops: list[dict[str, float] | None] = []
+    for entry in entries:
+        if entry.logprob is None:
+            tops.append(None)
+            continue
+        top: dict[str, float] = {}
+        for alternative in entry.top:
+            top.setdefault(alternative.text, alternative.logprob)
+        top.setdefault(entry.text, entry.logprob)
+        tops.append(top)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": [e.offset + base for e in entries]}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for answer tokens."""
+    return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.bytes),
+                         "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.bytes)}
+                                          for t in e.top]}
+                        for e in entries]}
+
+
 def usage(stats: RequestStats) -> dict[str, int]:
     return {
         "prompt_tokens": stats.prompt_tokens,
@@ -117,7 +147,7 @@ def merge_overrides(base: PruningRequest, item: PruningOverrides | None, num_lay
     if item.log_level is not None:
         merged = replace(merged, log_level=LogLevel(item.log_level))
     if item.quality is not None:
-        merged = replace(merged, quality=item.quality)
+        merged = replace(merged, quality=quality_check(item.quality))
     return merged
 
 
@@ -143,12 +173,16 @@ class CompletionService:
                                 f"`{self.engine.name}`.", param=f"{param_prefix}model", code="model_not_found")
         stop = _stop_sequences(body.stop, f"{param_prefix}stop")
         requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        max_new = requested or self.settings.default_max_tokens
+        max_new = requested if requested is not None else self.settings.default_max_tokens
         if max_new > self.settings.max_tokens_limit:
             name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise APIError(400, f"{name} is {max_new}, above this server's limit of "
                                 f"{self.settings.max_tokens_limit}", param=f"{param_prefix}{name}",
                            code="max_tokens_exceeded")
+        logprobs, echo = self._logprobs(body, param_prefix)
+        if max_new == 0 and not echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is allowed with echo: true only (to score the "
+                                "prompt)", param=f"{param_prefix}max_tokens", code="invalid_value")
         if isinstance(body, ChatCompletionRequest):
             kind: Kind = "chat"
             prompt = None
@@ -158,7 +192,10 @@ class CompletionService:
         else:
             kind, prompt, messages, what = "completion", body.prompt, None, "prompt"
         try:
-            if kind == "completion":  # a text completion continues the prompt as given, no chat template
+            if isinstance(prompt, list):  # token ids, read as given
+                ids = self._token_ids(prompt, f"{param_prefix}prompt")
+                prompt = await asyncio.to_thread(self.engine.decode_prompt, ids)  # the text the anomaly checks read
+            elif kind == "completion":  # a text completion continues the prompt as given, no chat template
                 ids = await asyncio.to_thread(self.engine.render_raw, prompt)
             else:
                 ids = await asyncio.to_thread(self.engine.render_prompt, None, None, list(messages))
@@ -177,7 +214,27 @@ class CompletionService:
                            param=f"{param_prefix}{what}", code="context_length_exceeded")
         return GenerationSpec(kind=kind, request_id=uuid.uuid4().hex, prompt=prompt, messages=messages,
                               prompt_ids=tuple(ids), prompt_tokens=len(ids), max_new_tokens=max_new, pruning=pruning,
-                              stream=bool(body.stream), stop=stop)
+                              stream=bool(body.stream), stop=stop, logprobs=logprobs, echo=echo)
+
+    @staticmethod
+    def _logprobs(body: ChatCompletionRequest | CompletionRequest, param_prefix: str) -> tuple[int | None, bool]:
+        """(most likely tokens listed per position, or None for no logprobs; echo) as the engine takes them."""
+        if isinstance(body, CompletionRequest):
+            return body.logprobs, bool(body.echo)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param=f"{param_prefix}top_logprobs",
+                           code="invalid_value")
+        return (body.top_logprobs or 0) if body.logprobs else None, False
+
+    def _token_ids(self, ids: list[int], param: str) -> list[int]:
+        """A prompt sent as token ids: every id must be one the model has."""
+        vocab = self.engine.vocab_size
+        bad = sorted({i for i in ids if i >= vocab})
+        if bad:
+            shown = ", ".join(str(i) for i in bad[:3]) + (", ..." if len(bad) > 3 else "")
+            raise APIError(400, f"token id(s) {shown[:120]} out of range; this model's vocabulary is 0..{vocab - 1}",
+                           param=param, code="invalid_value")
+        return list(ids)
 
     # -- admission and running ---------------------------------------------------------------
     def admit(self, count: int = 1) -> list[Slot]:
@@ -205,6 +262,8 @@ class CompletionService:
                 request_id=spec.request_id,
                 prompt_ids=list(spec.prompt_ids),
                 stop=spec.stop,
+                logprobs=spec.logprobs,
+                echo=spec.echo,
             )
 
         return self.queue.start(slot, run)
@@ -267,12 +326,21 @@ class CompletionService:
     # -- response bodies ---------------------------------------------------------------------
     def body(self, spec: GenerationSpec, result: GenerationResult, queue_ms: float) -> dict[str, Any]:
         stats = result.stats
+        generated = result.logprobs or []
         if spec.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                                      "finish_reason": stats.finish_reason, "logprobs": None}
+                                      "finish_reason": stats.finish_reason,
+                                      "logprobs": chat_logprobs(generated) if spec.logprobs is not None else None}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": result.text, "finish_reason": stats.finish_reason, "logprobs": None}
+            echoed = (result.prompt_text or "") if spec.echo else ""
+            logprobs = None
+            if spec.logprobs is not None:
+                logprobs = completion_logprobs((result.prompt_logprobs or []) if spec.echo else [])
+                after = completion_logprobs(generated, base=len(echoed))
+                logprobs = {key: logprobs[key] + after[key] for key in logprobs}
+            choice = {"index": 0, "text": echoed + result.text, "finish_reason": stats.finish_reason,
+                      "logprobs": logprobs}
             obj = "text_completion"
         return {
             "id": spec.response_id,
@@ -307,22 +375,38 @@ class CompletionService:
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             return b"data: " + json.dumps({**base, "choices": [choice], **extra}).encode() + b"\n\n"
 
+        def logprobs(entries: list[TokenLogprob], base: int = 0) -> dict[str, Any] | None:
+            if spec.logprobs is None:
+                return None
+            return chat_logprobs(entries) if chat else completion_logprobs(entries, base)
+
         if chat:
             yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                          "logprobs": None})
+        echoed = sent = 0  # characters of the echoed prompt; answer tokens whose logprobs went out
         try:
             async for item in job.items():
                 if isinstance(item, TokenDelta):
+                    if item.echo:  # the prompt, first, with its tokens' logprobs (offsets into the prompt)
+                        echoed = len(item.text)
+                        yield chunk({"index": 0, "text": item.text, "finish_reason": None,
+                                     "logprobs": logprobs(list(item.logprobs))})
+                        continue
+                    sent += len(item.logprobs)
                     if chat:
                         yield chunk({"index": 0, "delta": {"content": item.text}, "finish_reason": None,
-                                     "logprobs": None})
+                                     "logprobs": logprobs(list(item.logprobs))})
                     else:
-                        yield chunk({"index": 0, "text": item.text, "finish_reason": None, "logprobs": None})
+                        yield chunk({"index": 0, "text": item.text, "finish_reason": None,
+                                     "logprobs": logprobs(list(item.logprobs), echoed)})
                     continue
                 stats = item.stats
                 self.metrics.record_generation(stats)
-                final = ({"index": 0, "delta": {}, "finish_reason": stats.finish_reason, "logprobs": None} if chat
-                         else {"index": 0, "text": "", "finish_reason": stats.finish_reason, "logprobs": None})
+                rest = (item.logprobs or [])[sent:]  # e.g. the end of sequence, which adds no text
+                final = ({"index": 0, "delta": {}, "finish_reason": stats.finish_reason,
+                          "logprobs": logprobs(rest) if rest else None} if chat
+                         else {"index": 0, "text": "", "finish_reason": stats.finish_reason,
+                               "logprobs": logprobs(rest, echoed) if rest else None})
                 yield chunk(final, usage=usage(stats), prunewatch=prunewatch_block(stats, job.queue_ms, self.device_name))
         except InvalidRequestError as exc:
             yield b"data: " + json.dumps(error_body(str(exc), code="invalid_value")).encode() + b"\n\n"

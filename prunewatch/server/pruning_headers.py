@@ -8,7 +8,7 @@ wins differs between proxies and frameworks, so the server refuses to guess.
 
 Response: `X-Pruning-Ratio`, `X-Pruning-Stats`
 (`layers_bypassed=N,heads_gated=N,sparsity=F,total_tokens=N,prefill_ratio=F,decode_ratio=F`, plus
-`agreement=F,ppl_delta_pct=F` when quality was scored) and the latency breakdown
+`agreement=F,nll=F` when quality was scored, `continuation_agreement=F,ppl_delta_pct=F` after a full check) and the latency breakdown
 `X-Prunewatch-{Preprocessing,Inference,Postprocessing,Quality,Queue}-Ms`. A streamed response's headers are
 sent before any token exists, so there the same numbers come only in the final SSE chunk.
 """
@@ -62,7 +62,7 @@ class PruningRequest:
     sensitivity: float | None = None
     layer_blacklist: tuple[int, ...] | None = None
     log_level: LogLevel | None = None
-    quality: bool = False  # score the answer against the dense model
+    quality: str = "off"  # score the answer against the dense model: "off", "on" or "full" (engine.quality)
 
 
 def _bad(header: str, message: str) -> APIError:
@@ -128,13 +128,17 @@ def parse_log_level(value: str | None) -> LogLevel | None:
         raise _bad(LOG_LEVEL, f"expected one of {allowed}, got {_shown(value)}") from None
 
 
-def parse_quality(value: str | None) -> bool:
+def parse_quality(value: str | None) -> str:
+    """X-Pruning-Quality: on (or true/1) scores the served answer, full adds the dense re-generation, off (false/0)."""
     if value is None:
-        return False
-    switch = _SWITCH.get(value.strip(_OWS).lower())
+        return "off"
+    word = value.strip(_OWS).lower()
+    if word == "full":
+        return "full"
+    switch = _SWITCH.get(word)
     if switch is None:
-        raise _bad(QUALITY, f"expected on or off, got {_shown(value)}")
-    return switch
+        raise _bad(QUALITY, f"expected on, full or off, got {_shown(value)}")
+    return "on" if switch else "off"
 
 
 def parse_pruning_headers(sensitivity: str | None, blacklist: str | None, log_level: str | None,
@@ -155,17 +159,21 @@ def parse_request_headers(headers: _MultiHeaders, num_layers: int) -> PruningReq
 
 
 def stats_header(stats: RequestStats) -> str:
-    """`layers_bypassed=N,heads_gated=N,sparsity=F,total_tokens=N,prefill_ratio=F,decode_ratio=F`,
-    then `agreement=F,ppl_delta_pct=F` when the request was scored; sparsity is activation sparsity."""
+    """`layers_bypassed=N,heads_gated=N,sparsity=F,total_tokens=N,prefill_ratio=F,decode_ratio=F`, then
+    `agreement=F,nll=F` (the served answer scored against the dense model) when the request was scored and
+    `continuation_agreement=F,ppl_delta_pct=F` after a full check; sparsity is activation sparsity."""
     header = (
         f"layers_bypassed={len(stats.layers_bypassed)},heads_gated={stats.heads_gated},"
         f"sparsity={round(stats.activation_sparsity, 4)!r},"
         f"total_tokens={stats.prompt_tokens + stats.completion_tokens},"
         f"prefill_ratio={stats.prefill_pruning_ratio!r},decode_ratio={stats.decode_pruning_ratio!r}"
     )
-    if stats.quality is not None:
-        header += (f",agreement={stats.quality.token_agreement!r}"
-                   f",ppl_delta_pct={stats.quality.perplexity_delta_pct!r}")
+    quality = stats.quality
+    if quality is not None:
+        header += f",agreement={quality.reference_agreement!r},nll={quality.served_nll!r}"
+        if quality.continuation_agreement is not None:
+            header += (f",continuation_agreement={quality.continuation_agreement!r}"
+                       f",ppl_delta_pct={quality.perplexity_delta_pct!r}")
     return header
 
 

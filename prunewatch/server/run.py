@@ -26,16 +26,16 @@ logger = logging.getLogger("prunewatch.server")
 def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["auto", "cpu", "cuda"] = "auto",
                  *, probes_path: Path | None = None, calibration_dir: Path | None = None,
                  log_level: LogLevel = LogLevel.SUMMARY, threads: int | None = None) -> PruningEngine:
-    """Load the model and attach a calibration (cached, else measured on the canonical probes); then release
+    """Load the model and attach a calibration (cached, else measured on the calibration set); then release
     this thread's OpenMP team, as generations run on generation threads (prunewatch/engine/threads.py)."""
-    from prunewatch.probes import DEFAULT_PROBES_PATH, load_probes
+    from prunewatch.probes import CALIBRATION_PATH, load_calibration_set
 
     unset = {"calibration_dir": calibration_dir, "threads": threads}  # None: PRUNEWATCH_ENGINE_*, else the default
     engine = PruningEngine.load(EngineSettings(
         model_dir=Path(model_dir), device=device, sensitivity=sensitivity, log_level=log_level,
         **{name: value for name, value in unset.items() if value is not None},
     ))
-    probe_set = load_probes(probes_path or DEFAULT_PROBES_PATH)
+    probe_set = load_calibration_set(probes_path or CALIBRATION_PATH)
     calibration, cached = engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     logger.info("%s calibration for %s: %d domains (%s)", "cached" if cached else "new", engine.name,
                 len(calibration.domains), ", ".join(sorted(calibration.domains)))

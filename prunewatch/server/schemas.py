@@ -1,19 +1,34 @@
 """Request and response bodies, mirroring OpenAI's chat and legacy completions APIs.
 
 Unknown request fields are ignored, as OpenAI-compatible servers commonly do, so clients that send
-newer OpenAI options still work; options this engine cannot honour (several choices) are rejected
-explicitly rather than silently ignored. Decoding is greedy: `temperature`,
+newer OpenAI options still work; options this engine cannot honour (several choices, `suffix`) are
+rejected explicitly rather than silently ignored. Decoding is greedy: `temperature`,
 `top_p` and `seed` are accepted for compatibility and have no effect (reported as
-`prunewatch.decoding = "greedy"`).
+`prunewatch.decoding = "greedy"`). `logprobs`, `top_logprobs` and `echo` are OpenAI's: the
+log-probabilities are those of the model that produced the answer, under the request's pruning plan.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictInt,
+    Tag,
+    WithJsonSchema,
+)
 
+from prunewatch.engine.logprobs import MAX_TOP_LOGPROBS
+from prunewatch.engine.pruning_engine import MAX_STOP_SEQUENCES
 from prunewatch.engine.stats import RATIO_UNIT
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs` (chat's is MAX_TOP_LOGPROBS)
 
 
 def _encodable(value: str) -> str:
@@ -75,19 +90,49 @@ class _GenerationParams(_Request):
     stream: bool | None = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = Field(
-        None, description="Up to 4 non-empty strings (256 characters at most each): the completion ends where one "
-                          "first appears, and its text is cut before it (finish_reason \"stop\").")
+        None, description=f"Up to {MAX_STOP_SEQUENCES} non-empty strings (256 characters at most each): the "
+                          "completion ends where one first appears, and its text is cut before it "
+                          "(finish_reason \"stop\").")
     seed: int | None = Field(None, description="Accepted; greedy decoding is deterministic anyway.")
     user: Text | None = None
 
 
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                           for v in value)
+
+
 def _one_prompt(value: Any) -> Any:
-    """OpenAI's `prompt` may be a list; this server answers one prompt per request (then checked as Text)."""
-    if not isinstance(value, list):
+    """OpenAI's `prompt` is a string, token ids, or a list of either; this server answers one prompt per request
+    (then checked as Text or token ids): a list of ints is one prompt's tokens, any other list must hold one."""
+    if not isinstance(value, list) or _is_token_ids(value):
         return value
+    if not value:
+        raise ValueError("the prompt is an empty list")
     if len(value) != 1:
         raise ValueError(f"one prompt per request, got a list of {len(value)}; send several as /v1/batch items")
     return value[0]
+
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+# One prompt, text or token ids: checked as one or the other (a list is ids), so an error names one problem.
+# The tags read as pydantic's own union tags, which error locations leave out (prunewatch.server.errors._loc).
+OnePrompt = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[TokenId], Field(min_length=1), Tag("list[int]")],
+    Discriminator(lambda value: "list[int]" if isinstance(value, list) else "str"),
+]
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# What `prompt` accepts, as _one_prompt reads it (the validated type is only its result).
+_PROMPT_SCHEMA = {
+    "description": "The text to continue: a string or token ids (a list of integers), or a list holding one of "
+                   "those.",
+    "anyOf": [
+        {"type": "string"},
+        _TOKEN_IDS,
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+    ],
+}
 
 
 class ChatCompletionRequest(_GenerationParams):
@@ -96,17 +141,25 @@ class ChatCompletionRequest(_GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = Field(
         None, description="OpenAI's newer name for max_tokens; wins when both are given.")
-    logprobs: Literal[False] | None = Field(None, description="Not supported: true is refused.")
-    top_logprobs: Annotated[int | None, Field(ge=0, le=0)] = Field(None, description="Not supported: only 0.")
+    logprobs: bool | None = Field(
+        None, description="true: each answer token's log-probability under the model that generated it "
+                          "(`choices[0].logprobs.content`).")
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = Field(
+        None, description="With logprobs: how many of the most likely tokens to list at each position.")
 
 
 class CompletionRequest(_GenerationParams):
     """POST /v1/completions. The prompt is continued as given (no chat template)."""
 
-    prompt: Annotated[Text, BeforeValidator(_one_prompt)] = Field(
-        description="The text to continue: a string, or a list holding one.")
-    logprobs: None = Field(None, description="Not supported: only null.")
-    echo: Literal[False] | None = Field(None, description="Not supported: true is refused.")
+    prompt: Annotated[OnePrompt, BeforeValidator(_one_prompt), WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: Annotated[int | None, Field(ge=0)] = Field(
+        None, description="Completion length limit; 0 (with echo) scores the prompt without generating.")
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = Field(
+        None, description="Each token's log-probability, with this many of the most likely tokens at its position "
+                          "(`choices[0].logprobs`: tokens, token_logprobs, top_logprobs, text_offset).")
+    echo: bool | None = Field(
+        None, description="Return the prompt before the completion (with logprobs, its tokens' too; the first "
+                          "token's logprob is null).")
     best_of: Annotated[int | None, Field(ge=1, le=1)] = Field(None, description="Only one candidate is generated.")
     suffix: None = Field(None, description="Not supported: only null.")
 
@@ -119,7 +172,8 @@ class PruningOverrides(BaseModel):
     sensitivity: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     layer_blacklist: list[Annotated[int, Field(ge=0)]] | None = None
     log_level: Literal["NONE", "SUMMARY", "DETAILED"] | None = None
-    quality: bool | None = Field(None, description="Score this item against the dense model (X-Pruning-Quality).")
+    quality: bool | Literal["on", "full", "off"] | None = Field(
+        None, description="Score this item's answer against the dense model, as X-Pruning-Quality (true is on).")
 
 
 class ChatBatchItem(BaseModel):
@@ -158,13 +212,23 @@ class Usage(BaseModel):
 
 
 class QualityScore(BaseModel):
-    """Teacher-forced comparison with the dense model on the dense continuation (prunewatch.engine.quality)."""
+    """The served answer scored against the dense model on the same prompt (prunewatch.engine.quality)."""
 
-    token_agreement: float = Field(description="Share of positions where pruned and dense argmax agree, 0..1.")
-    dense_perplexity: float
-    pruned_perplexity: float
-    perplexity_delta_pct: float = Field(description="(pruned - dense) / dense x 100.")
-    scored_tokens: int
+    reference_agreement: float = Field(
+        description="Share of the served answer's tokens equal to the dense model's argmax given the served prefix.")
+    reference_tokens: int = Field(description="Served answer tokens scored.")
+    served_nll: float = Field(description="Mean NLL (nats/token) of the served answer under the dense model.")
+    continuation_agreement: float | None = Field(
+        None, description="Full check only: the pruned model's argmax agreement, teacher-forced on the dense "
+                          "model's own continuation (more forgiving than reference_agreement).")
+    dense_perplexity: float | None = None
+    pruned_perplexity: float | None = None
+    perplexity_delta_pct: float | None = Field(None, description="Full check only: (pruned - dense) / dense x 100 "
+                                                                 "on the dense continuation.")
+    continuation_tokens: int | None = None
+    reference_nll: float | None = Field(None, description="Full check only: mean NLL of the dense continuation.")
+    divergence_at: int | None = Field(
+        None, description="Full check only: first token where the served answer leaves the dense one; null if never.")
 
 
 class PrunewatchStats(BaseModel):
@@ -191,11 +255,12 @@ class PrunewatchStats(BaseModel):
     signals: dict[str, Any] | None = Field(description="Each adaptive-threshold signal's value and factor.")
     quality_flags: list[str] = Field(description="ratio_above_red_line / agreement_below_floor when crossed.")
     quality: QualityScore | None = Field(
-        description="Measured against the dense model on the same prompt; null unless X-Pruning-Quality: on.")
+        description="Measured against the dense model on the same prompt; null unless X-Pruning-Quality: on or full.")
     preprocessing_ms: float
     inference_ms: float
     postprocessing_ms: float
-    quality_ms: float = Field(description="Time of the quality check (dense re-run + scoring); 0 when not asked.")
+    quality_ms: float = Field(description="Time of the quality check (the scoring pass, plus the dense re-generation "
+                                          "of a full check); 0 when not asked.")
     queue_ms: float = Field(description="Time admitted but waiting for a free worker.")
     ttft_ms: float
     tokens_per_s: float
@@ -216,11 +281,38 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str = Field(description="The token decoded alone.")
+    logprob: float = Field(description="Natural log of its probability under the model that generated it.")
+    bytes: list[int] | None = Field(description="The token's own UTF-8 bytes (a character may span two tokens).")
+    top_logprobs: list[TopLogprob] = Field(description="The top_logprobs most likely tokens here, most likely first.")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: one entry per token, the echoed prompt's first."""
+
+    tokens: list[str] = Field(description="Each token decoded alone.")
+    token_logprobs: list[float | None] = Field(description="Null for the first token of an echoed prompt.")
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="The most likely tokens at each position, and the token itself; null where token_logprobs is.")
+    text_offset: list[int] = Field(description="Where each token's characters begin in `text`.")
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -237,7 +329,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

@@ -8,6 +8,7 @@ PRUNEWATCH_STACK_* variables, then to StackSettings' defaults.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -22,19 +23,17 @@ def _error(message: str) -> typer.Exit:
 
 
 def stack_up_command(
-    state_dir: Path = typer.Option(None, "--state-dir", help=STATE_DIR_HELP),
-    model: Path = typer.Option(None, "--model", help="Model folder the engines serve (default: bundled probe model)."),
-    engines: int = typer.Option(None, "--engines", help="Engine servers to start (1..8, default 2)."),
-    device: str = typer.Option(None, "--device", help="Engine device: cpu (default), cuda or auto."),
-    probes: Path = typer.Option(None, "--probes", help="Probes YAML the collector sends (default: canonical)."),
-    interval: float = typer.Option(None, "--interval", help="Seconds between probe rounds per engine (default 30)."),
-    baseline_every: int = typer.Option(None, "--baseline-every",
-                                       help="Dense baseline runs every N rounds per engine (default 10)."),
-    scrape_interval: int = typer.Option(None, "--scrape-interval", help="Prometheus scrape interval, s (default 15)."),
-    alert_group_wait: int = typer.Option(None, "--alert-group-wait",
-                                         help="Alertmanager group_wait in s (default: prunewatch/alerts/alertmanager.yml's)."),
-    calibration_dir: Path = typer.Option(None, "--calibration-dir", help="Calibration cache the engines share."),
-    start_timeout: float = typer.Option(None, "--start-timeout", help="Longest wait per service, s (default 180)."),
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help=STATE_DIR_HELP)] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="Model folder the engines serve (default: bundled probe model).")] = None,
+    engines: Annotated[int | None, typer.Option("--engines", help="Engine servers to start (1..8, default 2).")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="Engine device: cpu (default), cuda or auto.")] = None,
+    probes: Annotated[Path | None, typer.Option("--probes", help="Probes YAML the collector sends (default: canonical).")] = None,
+    interval: Annotated[float | None, typer.Option("--interval", help="Seconds between probe rounds per engine (default 30).")] = None,
+    baseline_every: Annotated[int | None, typer.Option("--baseline-every", help="Dense baseline runs every N rounds per engine (default 10).")] = None,
+    scrape_interval: Annotated[int | None, typer.Option("--scrape-interval", help="Prometheus scrape interval, s (default 15).")] = None,
+    alert_group_wait: Annotated[int | None, typer.Option("--alert-group-wait", help="Alertmanager group_wait in s (default: prunewatch/alerts/alertmanager.yml's).")] = None,
+    calibration_dir: Annotated[Path | None, typer.Option("--calibration-dir", help="Calibration cache the engines share.")] = None,
+    start_timeout: Annotated[float | None, typer.Option("--start-timeout", help="Longest wait per service, s (default 180).")] = None,
 ) -> None:
     """Start PostgreSQL, engines, the collector, Prometheus, Alertmanager (+ a local Slack sink) and the ROI app."""
     from pydantic import ValidationError
@@ -66,9 +65,8 @@ def stack_up_command(
 
 
 def stack_down_command(
-    state_dir: Path = typer.Option(None, "--state-dir", help=STATE_DIR_HELP),
-    stop_timeout: float = typer.Option(20.0, "--stop-timeout", min=0.1, max=600.0,
-                                       help="Seconds each service gets to exit before it is killed."),
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help=STATE_DIR_HELP)] = None,
+    stop_timeout: Annotated[float, typer.Option("--stop-timeout", min=0.1, max=600.0, help="Seconds each service gets to exit before it is killed.")] = 20.0,
 ) -> None:
     """Stop every service `stack up` started from the state dir; logs, configs and data stay."""
     from prunewatch.stack.lifecycle import StackError, stack_down

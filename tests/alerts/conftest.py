@@ -24,7 +24,7 @@ def result(at: datetime, domain: str, probe: str, *, ratio: float | None = 0.3, 
     ok = status == "ok"
     return ProbeResult(target="embedded", model=model, probe_id=probe, probe_version=1, probe_hash="0" * 16,
                        domain=domain, status=status, round_id="r" * 32, created_at=at,
-                       pruning_ratio=ratio if ok else None, token_agreement=agreement if ok else None,
+                       pruning_ratio=ratio if ok else None, continuation_agreement=agreement if ok else None,
                        inference_ms=inference_ms if ok else None, failure_reason=None if ok else reason)
 
 

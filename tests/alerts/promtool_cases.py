@@ -26,7 +26,7 @@ from prunewatch.records.results import ProbeResult
 from prunewatch.records.store.governor import GovernorDecision
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # promtool evaluates from Unix time 0
-GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_token_agreement": "token_agreement"}
+GAUGE_FIELDS = {"prunewatch_pruning_ratio": "pruning_ratio", "prunewatch_continuation_agreement": "continuation_agreement"}
 BUCKET_METRIC = "prunewatch_inference_latency_seconds_bucket"
 RESULTS = "prunewatch_probe_results_total"
 FAILURES = "prunewatch_probe_failures_total"

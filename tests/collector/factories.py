@@ -19,7 +19,7 @@ def ok_result(**overrides) -> ProbeResult:
         executed_flops=123_456_789_012, dense_flops=179_574_420_381, layers_bypassed=[3, 7, 9], layers_total=12,
         heads_gated=0, activation_sparsity=0.0, prompt_tokens=41, completion_tokens=8, preprocessing_ms=1.5,
         inference_ms=420.25, postprocessing_ms=33.0, ttft_ms=80.5, tokens_per_s=19.04, decode_tokens_per_s=21.3,
-        token_agreement=0.875, perplexity_delta_pct=1.25, matched_domain="tech", domain_confidence=0.91,
+        continuation_agreement=0.875, perplexity_delta_pct=1.25, matched_domain="tech", domain_confidence=0.91,
         fallback_reason=None, peak_memory_bytes=4096, dram_bytes_per_instruction=5.5, dram_source="estimate",
         duration_ms=455.0, output_text="ip route show", device="cpu", device_name="Test CPU 9000",
     )

@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 import prunewatch.collector.http_target as http_target
 from prunewatch.collector.fleet import FleetSettings, run_collector
 from prunewatch.collector.http_target import HttpTarget, StreamTiming, read_event_stream
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.scheduler import TargetJob
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.probes import Probe
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.store import ResultRepository, connect
@@ -121,8 +121,8 @@ def test_baselines_make_the_reports_before_figure_measured(probe_engine, tmp_pat
     dense = [r for r in stored if r.baseline]
     pruned = [r for r in stored if not r.baseline]
     assert len(dense) == 2 * probes and all(r.sensitivity == 0 and r.pruning_ratio == 0 for r in dense)
-    assert all(r.token_agreement is None for r in dense)  # no quality check of dense against itself
-    assert all(r.sensitivity == 0.5 and r.token_agreement is not None for r in pruned)
+    assert all(r.reference_agreement is None for r in dense)  # no quality check of dense against itself
+    assert all(r.sensitivity == 0.5 and r.reference_agreement is not None for r in pruned)
     assert len({r.round_id for r in dense}) == 2
 
     window = Window(start=started - timedelta(minutes=1), end=datetime.now(UTC) + timedelta(minutes=1))

@@ -19,7 +19,7 @@ def render(summary: RoundSummary) -> str:
 
 def test_each_probe_shows_its_figures_and_answer():
     good = replace(ok_result(), probe_id="tech-route", domain="tech", pruning_ratio=0.0312, decode_pruning_ratio=0.0641,
-                   quality_ms=1234.4, token_agreement=0.9583, output_text="The capital of\nFrance is Paris.")
+                   quality_ms=1234.4, continuation_agreement=0.9583, output_text="The capital of\nFrance is Paris.")
     long = replace(ok_result(), result_id="b" * 32, probe_id="legal-x", domain="legal", output_text="word " * 40)
     failed = replace(ok_result(), result_id="c" * 32, probe_id="legal-y", domain="legal", status="failed",
                      failure_reason="timeout", error_message="no answer within 60 s")

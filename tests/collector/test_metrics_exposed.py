@@ -25,7 +25,7 @@ def test_samples_after_one_ok_and_one_failed_result():
     assert get("prunewatch_inference_latency_seconds_bucket", {**labels, "le": "0.5"}) == 1
     assert get("prunewatch_probe_failures_total", {**labels, "reason": "timeout"}) == 1
     assert get("prunewatch_probe_results_total", {**labels, "status": "ok"}) == 1
-    assert get("prunewatch_token_agreement", {**labels, "probe": "tech-route"}) == 0.875
+    assert get("prunewatch_continuation_agreement", {**labels, "probe": "tech-route"}) == 0.875
     assert get("prunewatch_dram_bytes_per_instruction", {**labels, "source": "estimate"}) == 5.5
 
 

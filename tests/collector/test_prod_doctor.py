@@ -19,6 +19,7 @@ from prunewatch.records.store.migrate import upgrade
 from prunewatch.server.app import create_app
 from prunewatch.server.settings import ServerSettings
 from tests.collector.prod_helpers import baseline_server, fresh_database, serving
+from tests.conftest import calibration_inputs
 
 KEY = "sk-doctor"
 HTTP_CHECKS = ["reachable", "auth", "model listed", "pruning headers", "ratio plausible", "calibration",
@@ -140,7 +141,7 @@ def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, pro
     probe_set = load_probes()
     collecting = PruningEngine.load(EngineSettings(model_dir=probe_engine.settings.model_dir, device="cpu",
                                                    calibration_dir=calibration_dir))
-    collecting.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)  # as `collect` does at start
+    collecting.load_or_calibrate(*calibration_inputs())  # as `collect` does at start
     spec = ResolvedTarget(name="embedded", kind="in_process", base_url=None, api_key_env=None, model=None,
                           model_dir=probe_engine.settings.model_dir, device="cpu", domains=["tech"], interval_s=60,
                           timeout_s=60, sensitivity=0.5, jitter_s=0)
@@ -151,7 +152,7 @@ def test_in_process_target_calibration_present_missing_and_foreign(tmp_path, pro
 
     empty = tmp_path / "empty"
     checks = {c.name: c for c in diagnose_in_process(spec, probe_set, calibration_dir=empty)}
-    assert checks["calibration"].status == "FAIL" and "no calibration for this model and probe set" in checks[
+    assert checks["calibration"].status == "FAIL" and "no calibration for this model and the calibration set" in checks[
         "calibration"].detail
     assert checks["ratio plausible"].status == "FAIL" and "(fallback: uncalibrated)" in checks["ratio plausible"].detail
 

@@ -31,15 +31,15 @@ def assert_schema_equals_models(engine) -> None:
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     assert {ix["name"] for ix in inspect(engine).get_indexes("probe_results")} == QUERY_INDEXES
-    assert current_revision(engine) == head_revision() == "0006"
+    assert current_revision(engine) == head_revision() == "0007"
 
 
 @pytest.mark.integration
 def test_postgres_upgrade_from_empty_then_again(postgres):
     engine = connect(fresh_database(postgres))
     assert current_revision(engine) is None
-    assert upgrade(engine) == (None, "0006")
-    assert upgrade(engine) == ("0006", "0006")  # idempotent
+    assert upgrade(engine) == (None, "0007")
+    assert upgrade(engine) == ("0007", "0007")  # idempotent
     assert_schema_equals_models(engine)
     with engine.connect() as connection:  # timestamps are zone-aware in PostgreSQL
         kinds = set(connection.execute(text(
@@ -59,7 +59,7 @@ def test_postgres_step_by_step_and_downgrade(postgres):
     assert "device" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
     assert upgrade(engine, "0004") == ("0003", "0004")
     assert "baseline" not in {c["name"] for c in inspect(engine).get_columns("probe_results")}
-    assert upgrade(engine) == ("0004", "0006")
+    assert upgrade(engine) == ("0004", "0007")
     assert_schema_equals_models(engine)
     engine.dispose()
 
@@ -112,10 +112,16 @@ def check_0004_upgrade(url: str) -> None:
     with engine.begin() as connection:  # a result stored before 0005: no client timings, not a baseline
         connection.execute(text(
             "INSERT INTO probe_results (result_id, round_id, created_at, target, model, probe_id, probe_version, "
-            "probe_hash, domain, status) VALUES ('r', :round, :at, 't', 'm', 'p', 1, 'h', 'legal', 'ok')"),
-            dict(round=("d" * 32), at=NOW))
-    assert upgrade(engine) == ("0004", "0006")
+            "probe_hash, domain, status, token_agreement) VALUES ('r', :round, :at, 't', 'm', 'p', 1, 'h', 'legal', 'ok', "
+            "0.875)"), dict(round=("d" * 32), at=NOW))
+    assert upgrade(engine) == ("0004", "0007")
     assert count_rows(url, "SELECT baseline, client_ttft_ms FROM probe_results") in ([(False, None)], [(0, None)])
+    # 0007: the teacher-forced figure keeps its values under its new name; the served-answer figures start empty
+    assert count_rows(url, "SELECT continuation_agreement, reference_agreement, task_passed FROM probe_results") == [
+        (0.875, None, None)]
+    assert downgrade(engine, "0006") == ("0007", "0006")  # the old name back, the value kept
+    assert count_rows(url, "SELECT token_agreement FROM probe_results") == [(0.875,)]
+    assert upgrade(engine) == ("0006", "0007")
     assert_schema_equals_models(engine)
     engine.dispose()
 
@@ -241,12 +247,12 @@ def test_db_commands_against_postgres(postgres):
     runner = CliRunner()
     first = runner.invoke(cli(), ["db", "upgrade", "--db", url])
     assert first.exit_code == 0, first.output
-    assert "schema empty -> 0006" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
+    assert "schema empty -> 0007" in first.output and "prunewatch:***@" in first.output and ":prunewatch@" not in first.output
     again = runner.invoke(cli(), ["db", "upgrade", "--db", url])
-    assert "schema 0006 -> 0006 (already current)" in again.output
+    assert "schema 0007 -> 0007 (already current)" in again.output
     older = runner.invoke(cli(), ["db", "upgrade", "--db", url, "--revision", "0003"])
     assert older.exit_code == 0
-    assert "schema 0006 -> 0006 (already past 0003: an upgrade never goes back, nothing changed)" in older.output
+    assert "schema 0007 -> 0007 (already past 0003: an upgrade never goes back, nothing changed)" in older.output
     engine = connect(url)
     seed(engine, {"a": [400, 200], "b": [1]}, now=datetime.now(UTC))  # the command prunes from the real now
     engine.dispose()

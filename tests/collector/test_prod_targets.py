@@ -10,8 +10,9 @@ from sqlalchemy import text
 
 from prunewatch.collector.exporters import SqlExporter
 from prunewatch.collector.http_target import HttpTarget, parse_stats_header
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.probe_round import run_round
-from prunewatch.collector.targets import InProcessTarget, ProbeCancelledError
+from prunewatch.collector.targets import ProbeCancelledError
 from prunewatch.probes import ProbeSet
 from prunewatch.records.store import connect, create_schema
 from prunewatch.server.app import create_app
@@ -60,8 +61,8 @@ def test_prunewatch_server_figures_equal_the_engine_run_directly(engine_url, pro
     # the collector asks for quality (X-Pruning-Quality: on): scored on the server, same figures as in-process
     quality = probe_engine.generate(probe.prompt, system=probe.system, max_new_tokens=probe.max_tokens,
                                     sensitivity=0.5, quality=True).stats
-    assert (result.token_agreement, result.perplexity_delta_pct) == (
-        quality.quality.token_agreement, quality.quality.perplexity_delta_pct)
+    assert (result.continuation_agreement, result.perplexity_delta_pct) == (
+        quality.quality.continuation_agreement, quality.quality.perplexity_delta_pct)
     assert result.quality_ms > 0
     assert (result.prefill_pruning_ratio, result.decode_pruning_ratio) == (
         direct.prefill_pruning_ratio, direct.decode_pruning_ratio)

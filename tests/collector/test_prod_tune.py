@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from prunewatch.collector.http_target import HttpTarget
-from prunewatch.collector.targets import InProcessTarget
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.tune import (
     TuneError,
     TuneSettings,

@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry
 
 from prunewatch.collector.fleet import FleetSettings, run_collector
 from prunewatch.collector.http_target import HttpTarget
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.scheduler import TargetJob
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.store import ResultRepository, connect
 from prunewatch.server.app import create_app
@@ -45,7 +45,10 @@ def test_in_process_and_http_targets_in_one_run(postgres, probe_engine, tmp_path
         # Same engine, same greedy tokens, same plan: the ratio measured in-process and over HTTP agree exactly.
         assert local.pruning_ratio == remote.pruning_ratio and local.pruning_ratio > 0
         assert local.layers_bypassed == remote.layers_bypassed and local.output_text == remote.output_text
-        assert local.token_agreement is not None and remote.token_agreement == local.token_agreement
+        # Both scored against the same engine's own weights run dense (X-Pruning-Quality over HTTP): the same figure.
+        assert local.reference_agreement is not None and remote.reference_agreement == local.reference_agreement
+        assert (local.quality_source, remote.quality_source) == ("engine", "engine")
+        assert remote.reference_tokens == local.reference_tokens and remote.served_nll == local.served_nll
     for target in ("embedded", "gpu-a"):
         assert metrics.registry.get_sample_value("prunewatch_last_success_timestamp_seconds",
                                                  {"model": probe_engine.name, "target": target}) > 0

@@ -33,8 +33,8 @@ from sqlalchemy.engine import make_url
 from prunewatch.alerts.settings import RULES_PATH
 from prunewatch.collector.exporters import SqlExporter
 from prunewatch.collector.governor import Governor, GovernorSettings
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.collector.probe_round import run_round
-from prunewatch.collector.targets import InProcessTarget
 from prunewatch.dashboards import build_dashboards, panel_queries, template_variables
 from prunewatch.dashboards.rules import load_rule_file, parse_bucket
 from prunewatch.dashboards.settings import DashboardSettings

@@ -151,7 +151,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
                 rows = connection.execute(text(
                     "SELECT DISTINCT ON (target, probe_id) target, probe_id, model, sensitivity, pruning_ratio, "
                     "prefill_pruning_ratio, decode_pruning_ratio, ratio_source, layers_total, executed_flops, "
-                    "dense_flops, completion_tokens, output_text, token_agreement, perplexity_delta_pct, quality_ms "
+                    "dense_flops, completion_tokens, output_text, continuation_agreement, perplexity_delta_pct, quality_ms "
                     "FROM probe_results WHERE status = 'ok' AND NOT baseline ORDER BY target, probe_id, created_at")
                 ).mappings().all()
             found = {(r["target"], r["probe_id"]): dict(r) for r in rows}
@@ -161,7 +161,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             results = _poll("an ok result of each probe from each engine in PostgreSQL", first_results)
             with engine.connect() as connection:  # quality over HTTP: every ok row, not only the first ones
                 unscored = connection.execute(text(
-                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline AND (token_agreement "
+                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline AND (continuation_agreement "
                     "IS NULL OR perplexity_delta_pct IS NULL OR quality_ms IS NULL)")).scalar_one()
                 scored = connection.execute(text(
                     "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline")).scalar_one()
@@ -175,7 +175,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             assert 0.0 < row["pruning_ratio"] < 1.0
             assert row["pruning_ratio"] == pytest.approx(1 - row["executed_flops"] / row["dense_flops"], abs=1e-6)
             assert 1 <= row["completion_tokens"] <= 8
-            assert 0.0 <= row["token_agreement"] <= 1.0 and row["quality_ms"] > 0.0
+            assert 0.0 <= row["continuation_agreement"] <= 1.0 and row["quality_ms"] > 0.0
             assert 0.0 <= row["prefill_pruning_ratio"] <= 1.0 and 0.0 <= row["decode_pruning_ratio"] <= 1.0
         for probe_id in probe_ids:  # same model, calibration and greedy decoding: the engines agree exactly
             a, b = results[("engine-a", probe_id)], results[("engine-b", probe_id)]
@@ -199,7 +199,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
 
         def agreement_series() -> dict | None:
             found = {query: _promql(prometheus, query.replace("$model", ".*").replace("$domain", ".*"))
-                     for query in (dashboard_promql.token_agreement_by_domain(), dashboard_promql.TOKEN_AGREEMENT_WORST)}
+                     for query in (dashboard_promql.continuation_agreement_by_domain(), dashboard_promql.TOKEN_AGREEMENT_WORST)}
             return found if all(found.values()) else None
 
         agreement = _poll("the dashboards' agreement queries return data", agreement_series, timeout_s=90)

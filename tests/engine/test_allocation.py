@@ -22,7 +22,8 @@ from prunewatch.engine.sparse.calibration import (
     text_digest,
 )
 from prunewatch.engine.sparse.targets import find_sparse_targets, in_out
-from prunewatch.probes import load_probes
+from prunewatch.probes import load_calibration_set, load_probes
+from tests.conftest import calibration_inputs
 
 GRID = [i / 10 for i in range(10)]  # 0.0 .. 0.9
 
@@ -67,7 +68,7 @@ def probe(probe_model_dir):
     return instrument(model), tokenizer, weights_fingerprint(probe_model_dir)
 
 
-TEXTS = [t for group in load_probes().calibration_texts().values() for t in group]
+TEXTS = [t for group in load_calibration_set().calibration_texts().values() for t in group]
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +155,12 @@ def test_engine_calibrates_the_plan_its_settings_select(tmp_path, probe_model_di
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=tmp_path,
                                                log_level="NONE", layer_blacklist=[1]))
     assert engine.settings.sparsity_allocation == "greedy"
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     path = sparsity_calibration_path(engine.calibration_path(probe_set.digest), "greedy", "magnitude")
     stored = SparsityCalibration.load(path)
     protected = sparsity_protected_layers(engine.settings, engine.calibration)
     assert 1 in protected and stored.allocation.protected_layers == protected
     assert all(v == 0.0 for k, v in stored.allocation.plan_at(0.5).items() if int(k.split(":")[0]) in protected)
     engine.settings = engine.settings.model_copy(update={"layer_blacklist": [3]})
-    again = load_or_calibrate_sparsity(engine, probe_set.calibration_texts(), probe_set.digest)
+    again = load_or_calibrate_sparsity(engine, *calibration_inputs())
     assert 3 in again.allocation.protected_layers and 1 not in again.allocation.protected_layers

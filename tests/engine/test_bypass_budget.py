@@ -13,6 +13,7 @@ import pytest
 
 from prunewatch.engine import EngineSettings, PruningEngine
 from prunewatch.probes import load_probes
+from tests.conftest import calibration_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"probe-llama": REPO / "prunewatch" / "engine" / "models" / "probe-llama",
@@ -24,8 +25,7 @@ def engine(request, tmp_path_factory):
     engine = PruningEngine.load(EngineSettings(model_dir=MODELS[request.param], device="cpu", log_level="NONE",
                                                calibration_dir=tmp_path_factory.mktemp("calibration"),
                                                activation_sparsity=0.0))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     return engine
 
 

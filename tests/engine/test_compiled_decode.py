@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from prunewatch.engine.compiled_decode import NO_THRESHOLD
 from prunewatch.engine.execution import ExecutionPlan
 from prunewatch.engine.sparse.kernel import counted_op
+from tests.conftest import calibration_inputs
 
 PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
 TOKENS = 8
@@ -21,13 +22,11 @@ TOKENS = 8
 
 def _load(probe_model_dir, calibration_dir, **overrides):
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.probes import load_probes
 
     settings = {"log_level": "NONE", "compile_decode": True, **overrides}
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                **settings))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     return engine
 
 

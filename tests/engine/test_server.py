@@ -290,8 +290,10 @@ def test_400_for_bad_pruning_headers_and_parameters(http: httpx.Client, engine: 
         ({}, {"max_completion_tokens": 40},
          error("max_completion_tokens is 40, above this server's limit of 16", param="max_completion_tokens",
                code="max_tokens_exceeded")),
-        ({}, {"stop": ["a", "b", "c", "d", "e"]},
-         error("at most 4 stop sequences, got 5", param="stop", code="invalid_value")),
+        ({}, {"stop": [f"s{i}" for i in range(17)]},
+         error("at most 16 stop sequences, got 17", param="stop", code="invalid_value")),
+        ({}, {"top_logprobs": 2}, error("top_logprobs needs logprobs: true", param="top_logprobs",
+                                        code="invalid_value")),
         ({}, {"stop": ["\n", ""]}, error("stop sequences must be non-empty strings", param="stop", code="invalid_value")),
         ({}, {"stop": "x" * 257},
          error("a stop sequence is longer than 256 characters", param="stop", code="invalid_value")),
@@ -330,10 +332,14 @@ def test_422_for_invalid_bodies(http: httpx.Client, engine: PruningEngine) -> No
         ({"model": engine.name, "prompt": ["one", "two"]}, error(
             "prompt: Value error, one prompt per request, got a list of 2; send several as /v1/batch items",
             param="prompt", code="validation_error")),
-        (chat_body(engine, logprobs=True), error("logprobs: Input should be False", param="logprobs",
-                                                 code="validation_error")),
-        ({"model": engine.name, "prompt": "hi", "echo": True}, error("echo: Input should be False", param="echo",
-                                                                     code="validation_error")),
+        (chat_body(engine, logprobs=True, top_logprobs=21), error(
+            "top_logprobs: Input should be less than or equal to 20", param="top_logprobs", code="validation_error")),
+        ({"model": engine.name, "prompt": "hi", "logprobs": 6}, error(
+            "logprobs: Input should be less than or equal to 5", param="logprobs", code="validation_error")),
+        ({"model": engine.name, "prompt": "hi", "suffix": "end"}, error(
+            "suffix: Input should be None", param="suffix", code="validation_error")),
+        ({"model": engine.name, "prompt": []}, error(
+            "prompt: Value error, the prompt is an empty list", param="prompt", code="validation_error")),
         ({"model": engine.name, "prompt": "\ud903 lone surrogate"}, error(
             "prompt: Value error, text must be valid Unicode (it holds a lone surrogate code point)",
             param="prompt", code="validation_error")),
@@ -604,24 +610,31 @@ def test_concurrent_requests_keep_their_own_stats(http: httpx.Client, engine: Pr
     assert len({r.json()["prunewatch"]["request_id"] for r in responses}) == len(jobs)
 
 
-def test_quality_header_scores_against_dense_on_chat_and_batch(http: httpx.Client, engine: PruningEngine) -> None:
+def test_quality_header_scores_the_served_answer_on_chat_and_batch(http: httpx.Client, engine: PruningEngine) -> None:
     headers = {**AUTH, "X-Pruning-Sensitivity": "1", "X-Pruning-Quality": "on"}
     body = {"model": engine.name, "messages": CHAT, "max_tokens": MAX_TOKENS}
     response = http.post("/v1/chat/completions", json=body, headers=headers)
     assert response.status_code == 200
-    direct = engine.generate(messages=CHAT, max_new_tokens=MAX_TOKENS, sensitivity=1.0, quality=True).stats
+    direct = engine.generate(messages=CHAT, max_new_tokens=MAX_TOKENS, sensitivity=1.0, quality=True)
     served = response.json()["prunewatch"]
-    assert served["quality"]["token_agreement"] == direct.quality.token_agreement
-    assert served["quality"]["perplexity_delta_pct"] == direct.quality.perplexity_delta_pct
-    assert served["quality"]["scored_tokens"] == direct.completion_tokens and served["quality_ms"] > 0
+    assert served["quality"]["reference_agreement"] == direct.stats.quality.reference_agreement
+    assert served["quality"]["served_nll"] == direct.stats.quality.served_nll
+    assert served["quality"]["reference_tokens"] == len(direct.served_ids) and served["quality_ms"] > 0
+    assert served["quality"]["continuation_agreement"] is None  # "on" scores what was served, nothing more
     assert float(response.headers["X-Prunewatch-Quality-Ms"]) == served["quality_ms"]
+    quality = direct.stats.quality
     assert response.headers["X-Pruning-Stats"].endswith(
-        f",agreement={direct.quality.token_agreement!r},ppl_delta_pct={direct.quality.perplexity_delta_pct!r}")
+        f",agreement={quality.reference_agreement!r},nll={quality.served_nll!r}")
+    full = http.post("/v1/chat/completions", json=body, headers={**headers, "X-Pruning-Quality": "full"})
+    checked = engine.generate(messages=CHAT, max_new_tokens=MAX_TOKENS, sensitivity=1.0, quality="full").stats.quality
+    assert full.json()["prunewatch"]["quality"]["continuation_agreement"] == checked.continuation_agreement
+    assert full.headers["X-Pruning-Stats"].endswith(
+        f",continuation_agreement={checked.continuation_agreement!r},ppl_delta_pct={checked.perplexity_delta_pct!r}")
     batch = http.post("/v1/batch", headers={**AUTH, "X-Pruning-Sensitivity": "1"}, json={"requests": [
         {"url": "/v1/chat/completions", "body": body, "pruning": {"quality": True}},
         {"url": "/v1/chat/completions", "body": body}]}).json()["data"]
     scored, unscored = (item["response"]["prunewatch"] for item in batch)
-    assert scored["quality"]["token_agreement"] == direct.quality.token_agreement
+    assert scored["quality"]["reference_agreement"] == quality.reference_agreement
     assert unscored["quality"] is None and unscored["quality_ms"] == 0.0  # no header, no cost
     refused = http.post("/v1/chat/completions", json=body, headers={**AUTH, "X-Pruning-Quality": "sometimes"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Pruning-Quality"

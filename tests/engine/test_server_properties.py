@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.logprobs import TokenLogprob, TopLogprob
 from prunewatch.engine.planner import validate_request
 from prunewatch.engine.pruning_engine import TokenDelta
 from prunewatch.engine.settings import LogLevel
@@ -70,6 +71,10 @@ class FakeEngine:
                              device=SimpleNamespace(type="cpu"))
     context_window = 256
     settings = SimpleNamespace(threads=None)  # the generation threads' intra-op threads: their share of the cores
+    vocab_size = 256
+
+    def decode_prompt(self, prompt_ids: list[int]) -> str:
+        return bytes(prompt_ids).decode("utf-8", "replace")
 
     def render_raw(self, prompt: str) -> list[int]:
         ids = list(prompt.encode("utf-8"))
@@ -84,16 +89,32 @@ class FakeEngine:
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                max_new_tokens: int = 1, sensitivity: float | None = None, layer_blacklist: list[int] | None = None,
                log_level: LogLevel | None = None, quality: bool = False, request_id: str | None = None,
-               prompt_ids: list[int] | None = None, **_: Any) -> Iterator[TokenDelta | GenerationResult]:
+               prompt_ids: list[int] | None = None, logprobs: int | None = None, echo: bool = False,
+               **_: Any) -> Iterator[TokenDelta | GenerationResult]:
         sensitivity = DEFAULT_SENSITIVITY if sensitivity is None else float(sensitivity)
         blacklist = sorted(set(layer_blacklist or ()))
         validate_request(self.num_layers, sensitivity, blacklist)  # what the real engine refuses
         if log_level is not None:
             LogLevel(log_level)
-        if max_new_tokens < 1:
+        if max_new_tokens < (0 if echo else 1):
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise InvalidRequestError(f"logprobs must be within 0..20, got {logprobs}")
+
+        def entry(token: int, offset: int, first: bool = False) -> TokenLogprob:
+            top = () if first else tuple(TopLogprob(t, chr(t), bytes([t]), -0.25 * (t + 1)) for t in range(logprobs or 0))
+            return TokenLogprob(token, chr(token), bytes([token]), None if first else -1.5, offset, top)
+
+        prompt_ids = list(prompt_ids or [])
+        prompt_text = self.decode_prompt(prompt_ids) if echo else None
+        prompt_logprobs = ([entry(t, i, i == 0) for i, t in enumerate(prompt_ids)]
+                           if echo and logprobs is not None else None)
+        if echo:
+            yield TokenDelta(text=prompt_text or "", token_id=prompt_ids[-1], logprobs=tuple(prompt_logprobs or ()),
+                             echo=True)
+        generated = [entry(ord("x"), i) for i in range(max_new_tokens)] if logprobs is not None else None
         for i in range(max_new_tokens):
-            yield TokenDelta(text="x", token_id=i)
+            yield TokenDelta(text="x", token_id=i, logprobs=(generated[i],) if generated else ())
         bypassed = [i for i in range(round(sensitivity * 6)) if i not in blacklist]
         ratio = len(bypassed) / self.num_layers
         stats = RequestStats(
@@ -103,10 +124,11 @@ class FakeEngine:
             sensitivity=sensitivity, pruning_ratio=ratio, executed_flops=100 - len(bypassed), dense_flops=100,
             prefill_pruning_ratio=ratio, decode_pruning_ratio=ratio, layers_bypassed=bypassed,
             layers_total=self.num_layers, effective_sensitivity=sensitivity,
-            quality=QualityReport(token_agreement=1.0, dense_perplexity=2.0, pruned_perplexity=2.0,
-                                  perplexity_delta_pct=0.0, scored_tokens=max_new_tokens) if quality else None,
+            quality=QualityReport(continuation_agreement=1.0, dense_perplexity=2.0, pruned_perplexity=2.0,
+                                  perplexity_delta_pct=0.0, continuation_tokens=max_new_tokens) if quality else None,
         )
-        yield GenerationResult(text="x" * max_new_tokens, token_ids=list(range(max_new_tokens)), stats=stats)
+        yield GenerationResult(text="x" * max_new_tokens, token_ids=list(range(max_new_tokens)), stats=stats,
+                               logprobs=generated, prompt_logprobs=prompt_logprobs, prompt_text=prompt_text)
 
 
 @pytest.fixture(scope="module")
@@ -419,8 +441,8 @@ COMMON_FIELDS = {
     "stream": Field(ok=st.sampled_from([ABSENT, None, False, True]), whole=st.sampled_from(["maybe", 2, []])),
     "stream_options": Field(ok=st.sampled_from([ABSENT, None, {}, {"include_usage": True}]),
                             whole=st.sampled_from([5, {"include_usage": "often"}])),
-    "stop": Field(ok=st.sampled_from([ABSENT, None, "", [], "\n", ["end", "."]]),
-                  item=st.sampled_from([["a", "b", "c", "d", "e"], ["ok", ""], "x" * 257]),
+    "stop": Field(ok=st.sampled_from([ABSENT, None, "", [], "\n", ["end", "."], ["a", "b", "c", "d", "<eos>"]]),
+                  item=st.sampled_from([[f"s{i}" for i in range(17)], ["ok", ""], "x" * 257]),
                   whole=st.one_of(surrogate_text, st.sampled_from([5, [5]]))),
     "seed": Field(ok=st.one_of(st.just(ABSENT), st.none(), st.integers(-10**40, 10**40), digits_ok),
                   whole=st.one_of(digits_too_long, st.sampled_from(["s", 1.5, []]))),
@@ -429,18 +451,23 @@ COMMON_FIELDS = {
     "max_tokens": TOKENS,
     "max_completion_tokens": TOKENS,
 }
+token_ids = st.lists(st.integers(0, 255), min_size=1, max_size=20)  # FakeEngine's vocabulary: bytes
 PROMPT = Field(ok=st.one_of(st.text(min_size=1, max_size=20), st.lists(st.text(min_size=1, max_size=20), min_size=1,
-                                                                          max_size=1)),  # a list holding one prompt
-               item=st.sampled_from(["", "x" * 300, [""]]),  # empty: 400; long: 413
-               whole=st.one_of(surrogate_text, st.sampled_from([ABSENT, 5, None, [], ["a", "b"]])))
+                                                                          max_size=1),  # a list holding one prompt
+                            token_ids, token_ids.map(lambda ids: [ids])),  # token ids, or a list holding them
+               item=st.sampled_from(["", "x" * 300, [""], [256], [[7, 10**40]], [1] * 300]),  # empty: 400; long: 413
+               whole=st.one_of(surrogate_text, st.sampled_from([ABSENT, 5, None, [], ["a", "b"], [-1], [[]], [1.5],
+                                                                [[1], [2]], [True]])))
 # Options this server cannot honour: their neutral values pass, anything that asks for them is refused.
 CHAT_ONLY = {
-    "logprobs": Field(ok=st.sampled_from([ABSENT, None, False]), whole=st.sampled_from([True, "yes"])),
-    "top_logprobs": Field(ok=st.sampled_from([ABSENT, None, 0]), whole=st.sampled_from([1, 20, -1])),
+    "logprobs": Field(ok=st.sampled_from([ABSENT, None, False, True]), whole=st.sampled_from(["maybe", 5, []])),
+    # 1..20 ask for alternatives, which needs logprobs: true (generation_bodies serves them when it is)
+    "top_logprobs": Field(ok=st.sampled_from([ABSENT, None, 0]), item=st.sampled_from([1, 20]),
+                          whole=st.sampled_from([21, -1, "two"])),
 }
 COMPLETION_ONLY = {
-    "logprobs": Field(ok=st.sampled_from([ABSENT, None]), whole=st.sampled_from([0, 5, True])),
-    "echo": Field(ok=st.sampled_from([ABSENT, None, False]), whole=st.sampled_from([True, "no"])),
+    "logprobs": Field(ok=st.sampled_from([ABSENT, None, 0, 1, 5]), whole=st.sampled_from([6, -1, "many", 1.5])),
+    "echo": Field(ok=st.sampled_from([ABSENT, None, False, True]), whole=st.sampled_from(["maybe", 2])),
     "best_of": Field(ok=st.sampled_from([ABSENT, None, 1]), whole=st.sampled_from([0, 2])),
     "suffix": Field(ok=st.sampled_from([ABSENT, None]), whole=st.sampled_from(["end", 3])),
 }
@@ -453,8 +480,13 @@ def generation_bodies(draw: st.DrawFn, kind: str, mode: str | None = None,
     own = {"messages": MESSAGES, **CHAT_ONLY} if kind == "chat" else {"prompt": PROMPT, **COMPLETION_ONLY}
     drawn = draw(draw_fields({**COMMON_FIELDS, **own}, mode, allow_whole))
     body = {name: value for name, (value, _) in drawn.items() if value is not ABSENT}
+    if kind == "chat" and drawn["top_logprobs"][1] == ITEM and body.get("logprobs") is True:
+        drawn["top_logprobs"] = (body["top_logprobs"], OK)  # alternatives with logprobs: served
     verdict = max(v for name, (_, v) in drawn.items() if not name.startswith("max_"))
     max_tokens, tokens_verdict = verdict_of_tokens(body.get("max_tokens"), known=True)
+    if kind == "completion" and isinstance(body.get("max_tokens"), int) and body["max_tokens"] == 0:
+        # a completion's max_tokens 0 (False reads as 0) scores an echoed prompt; without echo it is refused
+        max_tokens, tokens_verdict = 0, (OK if body.get("echo") is True else ITEM)
     max_completion_tokens, completion_verdict = verdict_of_tokens(body.get("max_completion_tokens"),
                                                                   known=kind == "chat")
     verdict = max(verdict, tokens_verdict, completion_verdict)

@@ -146,18 +146,22 @@ def test_stats_header_format() -> None:
     )
     assert stats_header(stats) == ("layers_bypassed=3,heads_gated=12,sparsity=0.41,total_tokens=156,"
                                    "prefill_ratio=0.25,decode_ratio=0.5")
-    scored = replace(stats, quality=QualityReport(token_agreement=0.9375, dense_perplexity=3.0, pruned_perplexity=3.1,
-                                                  perplexity_delta_pct=3.3333, scored_tokens=16))
-    assert stats_header(scored).endswith(",decode_ratio=0.5,agreement=0.9375,ppl_delta_pct=3.3333")
-    assert parse_stats_header(stats_header(scored)) == {
+    served = replace(stats, quality=QualityReport(reference_agreement=0.875, reference_tokens=16, served_nll=1.25))
+    assert stats_header(served).endswith(",decode_ratio=0.5,agreement=0.875,nll=1.25")
+    full = replace(stats, quality=QualityReport(
+        reference_agreement=0.875, reference_tokens=16, served_nll=1.25, continuation_agreement=0.9375,
+        dense_perplexity=3.0, pruned_perplexity=3.1, perplexity_delta_pct=3.3333, continuation_tokens=16))
+    assert stats_header(full).endswith(",agreement=0.875,nll=1.25,continuation_agreement=0.9375,ppl_delta_pct=3.3333")
+    assert parse_stats_header(stats_header(full)) == {
         "layers_bypassed": 3, "heads_gated": 12, "sparsity": 0.41, "total_tokens": 156, "prefill_ratio": 0.25,
-        "decode_ratio": 0.5, "agreement": 0.9375, "ppl_delta_pct": 3.3333}  # what the collector reads back
+        "decode_ratio": 0.5, "agreement": 0.875, "nll": 1.25, "continuation_agreement": 0.9375,
+        "ppl_delta_pct": 3.3333}  # what the collector reads back
 
 
-@pytest.mark.parametrize("value, expected", [(None, False), ("on", True), ("ON", True), ("off", False),
-                                             (" true ", True), ("0", False)])
-def test_quality_header_is_a_switch(value, expected) -> None:
-    assert parse_quality(value) is expected
+@pytest.mark.parametrize("value, expected", [(None, "off"), ("on", "on"), ("ON", "on"), ("off", "off"),
+                                             (" true ", "on"), ("0", "off"), ("full", "full"), (" FULL", "full")])
+def test_quality_header_is_off_on_or_full(value, expected) -> None:
+    assert parse_quality(value) == expected
 
 
 def test_quality_header_rejects_anything_else() -> None:
@@ -194,7 +198,7 @@ def test_a_pruning_header_sent_twice_is_refused() -> None:
         return Headers(raw=[(name.encode(), value.encode("latin-1")) for name, value in pairs])
 
     assert parse_request_headers(headers(("x-pruning-sensitivity", "0.5"), ("x-pruning-quality", "on")), 12) == (
-        PruningRequest(sensitivity=0.5, quality=True))
+        PruningRequest(sensitivity=0.5, quality="on"))
     for name, second in [("x-pruning-quality", "on"), ("x-pruning-quality", "off"), ("x-pruning-blacklist", "")]:
         with pytest.raises(APIError) as caught:
             parse_request_headers(headers(("x-pruning-sensitivity", "0.5"), (name, "on"), (name, second)), 12)

@@ -12,7 +12,7 @@ import torch
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing, instrument
 from prunewatch.engine.loading import weights_fingerprint
 from prunewatch.engine.sparse import calibrate_sparsity_on_texts, install_sparsity
-from prunewatch.probes import load_probes
+from prunewatch.probes import load_calibration_set
 
 LICENSES = Path("/usr/share/common-licenses")  # Debian base-files: present on every Debian host
 
@@ -28,7 +28,7 @@ def probe(probe_model_dir):
 
 
 def _calibration_texts() -> list[str]:
-    texts = [t for group in load_probes().calibration_texts().values() for t in group]
+    texts = [t for group in load_calibration_set().calibration_texts().values() for t in group]
     return texts + [(LICENSES / "Apache-2.0").read_text()[:3000]]
 
 

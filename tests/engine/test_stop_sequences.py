@@ -79,14 +79,17 @@ def test_quality_is_scored_over_the_tokens_the_answer_kept(probe_engine) -> None
     whole = probe_engine.generate(PROMPT, max_new_tokens=TOKENS, sensitivity=1.0)
     assert whole.stats.pruning_ratio > 0.0  # the plan skips work, so quality re-runs the dense model
     stop, at = _middle_stop(whole.text)
-    pruned = probe_engine.generate(PROMPT, max_new_tokens=TOKENS, sensitivity=1.0, quality=True, stop=[stop])
+    pruned = probe_engine.generate(PROMPT, max_new_tokens=TOKENS, sensitivity=1.0, quality="full", stop=[stop])
     assert pruned.text == whole.text[:at] and pruned.stats.finish_reason == "stop"
     assert pruned.stats.quality is not None
-    assert pruned.stats.quality.scored_tokens == len(pruned.token_ids) < TOKENS
+    assert pruned.stats.quality.continuation_tokens == len(pruned.token_ids) < TOKENS
+    # The served answer is what the client received: its text, cut before the stop, tokenized again.
+    served = probe_engine.loaded.tokenizer(pruned.text, add_special_tokens=False).input_ids
+    assert pruned.served_ids == served and pruned.stats.quality.reference_tokens == len(served)
 
 
 @pytest.mark.parametrize("stop, message", [
-    (["a", "b", "c", "d", "e"], "at most 4 stop sequences, got 5"),
+    ([f"s{i}" for i in range(17)], "at most 16 stop sequences, got 17"),
     (["ok", ""], "stop sequences must be non-empty strings"),
     ("", "stop sequences must be non-empty strings"),
     (["x" * 257], "a stop sequence is longer than 256 characters"),

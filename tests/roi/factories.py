@@ -21,7 +21,7 @@ def probe(probe_id: str = "tech-a", *, sensitivity: float = 0.5, inference_ms: f
         sensitivity=sensitivity, pruning_ratio=ratio if sensitivity > 0 else 0.0, ratio_unit="linear_flops",
         ratio_source="measured", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         inference_ms=inference_ms, tokens_per_s=completion_tokens / inference_ms * 1000,
-        token_agreement=agreement if sensitivity > 0 else 1.0, perplexity_delta_pct=1.5 if sensitivity > 0 else 0.0)
+        continuation_agreement=agreement if sensitivity > 0 else 1.0, perplexity_delta_pct=1.5 if sensitivity > 0 else 0.0)
 
 
 def failed(probe_id: str = "tech-a", *, reason: str = "timeout", minutes: float = 0.0, target: str = "embedded") -> ProbeResult:

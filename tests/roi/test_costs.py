@@ -44,7 +44,7 @@ def test_summary_matches_probes_across_configurations_and_counts_failures() -> N
     assert summary.mean_pruning_ratio == pytest.approx(0.3)
     assert (summary.prompt_tokens, summary.completion_tokens) == (pytest.approx(100.0), pytest.approx(50.0))
     assert summary.failure_rate == pytest.approx(0.125)
-    assert summary.token_agreement_min == pytest.approx(0.9)
+    assert summary.continuation_agreement_min == pytest.approx(0.9)
     assert summary.uses_probe_model  # the factories report the bundled probe model's name
 
 

@@ -68,7 +68,7 @@ def test_report_command_writes_pdf_and_html_with_the_cores_numbers(collected_sql
     assert f"{summary.results_total} probe requests measured" in text
     # How "after" was derived, word for word, in the words of where the time was measured (CPU here).
     assert result.inputs.describe_basis().replace("GPU time", "CPU time") in text
-    assert f"Mean token agreement {pct(summary.token_agreement_mean)}" in text
+    assert f"Mean token agreement {pct(summary.continuation_agreement_mean)}" in text
     assert "Request volume 200,000 requests/day user-entered" in text
     assert " ".join(PROBE_MODEL_CAVEAT.split()) in text
     assert "GPU utilisation 70.0% fraction assumed-default" in text

@@ -118,3 +118,52 @@ def alertmanager_server(config_yaml: str, extra_files: dict[str, str] | None = N
                f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="]
     with _serve("alertmanager", command, workdir, port) as server:
         yield server
+
+
+@contextmanager
+def prunewatch_serve(model_dir: Path, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                     calibration_dir: Path | None = None, timeout_s: float = 480.0) -> Iterator[tuple[str, Path]]:
+    """A `prunewatch serve` process on 127.0.0.1 for `model_dir` (CPU), up and healthy; yields (base URL, log path).
+
+    `calibration_dir`: the session's calibration folder, linked into the process's cache so that it calibrates
+    only when no other test has; `env` adds variables (API keys, PRUNEWATCH_ENGINE_*)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    cache = Path(tempfile.mkdtemp(prefix="prunewatch-serve-"))
+    (cache / "prunewatch").mkdir()
+    if calibration_dir is not None:
+        (cache / "prunewatch" / "calibration").symlink_to(calibration_dir, target_is_directory=True)
+    log = cache / "serve.log"
+    port = free_port()
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "prunewatch", "serve", "--model", str(model_dir), "--device", "cpu",
+             "--host", "127.0.0.1", "--port", str(port), *args], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "XDG_CACHE_HOME": str(cache), **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"prunewatch serve exited:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prunewatch serve did not come up:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield base, log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        shutil.rmtree(cache, ignore_errors=True)

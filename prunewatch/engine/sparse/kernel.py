@@ -10,13 +10,16 @@ dense and reported as sparse.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from types import ModuleType
 
@@ -27,7 +30,7 @@ from prunewatch.engine.paths import cache_root
 
 logger = logging.getLogger("prunewatch.engine.sparse")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "sparse_linear.cpp"
+SOURCE = Path(str(files("prunewatch.engine.sparse").joinpath("csrc", "sparse_linear.cpp")))
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""
 
@@ -73,6 +76,28 @@ def cache_dir() -> Path:
     return root / "sparse_linear" / tag
 
 
+@contextlib.contextmanager
+def _exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold the build folder for this process, clearing a lock left by a build that died.
+
+    torch's extension loader marks a build in progress with a plain `lock` file and waits, without
+    a limit, for it to disappear; a build killed midway (a stopped CI job, a restarted machine)
+    leaves that file behind and every later build hangs. An advisory `flock` is released by the
+    kernel when its holder dies, so while this process holds it no other live build owns the
+    folder, and a `lock` file found then is stale.
+    """
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing a stale build lock left in %s by a build that did not finish", directory)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (if needed) and import the kernel; raise SparseKernelUnavailableError on failure."""
     global _MODULE
@@ -87,14 +112,15 @@ def build(verbose: bool = False) -> ModuleType:
             raise SparseKernelUnavailableError(
                 "cannot build the sparse kernel: ninja is not installed (pip install ninja)")
         try:
-            module = cpp_extension.load(
-                name="prunewatch_sparse_linear",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-fopenmp", *_isa_flags()],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                verbose=verbose,
-            )
+            with _exclusive_build(directory):
+                module = cpp_extension.load(
+                    name="prunewatch_sparse_linear",
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-fopenmp", *_isa_flags()],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=verbose,
+                )
         except Exception as exc:  # any compiler or loader failure becomes one typed, actionable error
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise SparseKernelUnavailableError(

@@ -17,7 +17,8 @@ Work counted is work done: at a decode step (rows <= max_kernel_rows) each row r
 kernel, which reads only the weight rows of its kept input entries, and the shortlist's rows of
 W; the head's dense work is counted alongside, so the ledger's ratio includes what the head
 skipped. A call with many rows (teacher-forced scoring) applies the same masks with a dense
-product and counts it as dense work, plus the shortlist.
+product and counts it as dense work, plus the shortlist, unless the plan asks for the kernel on every
+row (`output_head_row_kernel`: an echoed prompt, scored as the request's own prefill).
 
 The head keeps its own transposed copy of W for the kernel (one contiguous row per input
 channel), so a head tied to the input embeddings stays tied; the copy costs vocab x hidden
@@ -83,7 +84,7 @@ class ShortlistHead(LinearWrapper):
         keep = self.kept_inputs(plan.output_head_sparsity)
         shortlist = self.shortlist_size(plan.output_head_candidates)
         ledger.dense_flops += self._dense_flops_per_row * rows
-        if rows <= self.max_kernel_rows:
+        if rows <= self.max_kernel_rows or plan.output_head_row_kernel:
             logits = self._sparse_rows(flat, keep, ledger)
         else:
             logits = self._masked_dense(flat, keep, ledger)

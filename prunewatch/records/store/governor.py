@@ -25,11 +25,14 @@ class GovernorDecision:
     old_setting: float  # pruning sensitivity the round ran at
     new_setting: float  # sensitivity of the next round (and of live traffic on a prunewatch engine)
     reason: str  # breach, breach_at_min, relax, hold, hold_near_floor, hold_at_max, no_evidence
-    agreement: float | None  # mean token agreement over the domain's probes in the round; None: not measured
-    probes: int  # probes whose agreement counted
-    good_rounds: int  # consecutive rounds at or above floor + margin, after this one
+    agreement: float | None  # pooled reference agreement of the evidence window; None: not measured
+    probes: int  # prompts whose agreement counted
+    good_rounds: int  # consecutive evaluations with the interval's lower bound at or above floor + margin
     floor: float
     round_id: str | None = None
+    agreement_low: float | None = None  # 95% interval of `agreement`, bootstrapped over prompts
+    agreement_high: float | None = None
+    tokens: int | None = None  # answer tokens behind `agreement`
 
     @property
     def changed(self) -> bool:
@@ -42,7 +45,7 @@ class GovernorDecision:
 
 
 _FIELDS = ("decided_at", "target", "model", "domain", "old_setting", "new_setting", "reason", "agreement", "probes",
-           "good_rounds", "floor", "round_id")
+           "good_rounds", "floor", "round_id", "agreement_low", "agreement_high", "tokens")
 
 
 def _to_decision(row: GovernorDecisionRow) -> GovernorDecision:

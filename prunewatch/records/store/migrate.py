@@ -7,6 +7,7 @@ equals the schema that code created, and then upgraded like any other.
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 from alembic import command
@@ -18,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from prunewatch.records.store.database import StoreUnavailableError, reason
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+MIGRATIONS_DIR = Path(str(files("prunewatch.records.store").joinpath("migrations")))
 INITIAL_REVISION = "0001"
 _TABLES = ("collector_rounds", "probe_results")
 
