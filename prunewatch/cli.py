@@ -200,6 +200,8 @@ def serve_command(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     queue_depth: Annotated[int | None, typer.Option(help="Requests waiting + running before 429 (default 64).")] = None,
     workers: Annotated[int | None, typer.Option(help="Requests generated at once.")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of each generation (default: the cores shared among "
+                                                  "the workers). (env PRUNEWATCH_ENGINE_THREADS)")] = None,
     probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
@@ -214,7 +216,7 @@ def serve_command(
     try:
         listener = bind_listener(host, port)  # before the model is fetched or loaded: a taken port fails at once
         serve(model_folder(model), host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
-              workers=workers, probes_path=probes, listener=listener)
+              workers=workers, probes_path=probes, listener=listener, threads=threads)
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
     except (EngineError, ProbeFileError, ServeAddressError) as exc:

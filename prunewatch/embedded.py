@@ -23,6 +23,7 @@ from prunewatch.collector.scheduler import ProbeScheduler, RoundTotals, TargetJo
 from prunewatch.collector.settings import CollectorSettings
 from prunewatch.engine import EngineSettings, PruningEngine
 from prunewatch.engine.loading import check_model_dir
+from prunewatch.engine.threads import release_openmp_team
 from prunewatch.probes import load_calibration_set, load_probes
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.results import utcnow
@@ -124,6 +125,9 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         # The engine does not check its own answers: the job's reference, the same weights run dense, scores what
         # was served (reference-scored agreement, NLL, divergence from the reference's own answer, cached per probe).
         reference = EngineReference(engine)
+        # Probes run on the engine's generation thread (InProcessTarget): this thread's OpenMP team, left from
+        # loading and calibrating, would be a second team, and two make every decode step sleep and wake.
+        release_openmp_team()
         alerting = _embedded_alerting(settings, db) if settings.alerts else None  # after the model: its warnings
         create_schema(db)  # the first write: creates a SQLite file
         aborted = _close_interrupted_rounds(db, settings.target_name, started_at)

@@ -10,7 +10,10 @@ One run measures, on this machine:
    at sensitivity 0 (dense) and by the engine at its default operating point (EngineSettings
    defaults: calibrated activation sparsity scaled by the request's effective sensitivity, and the
    output-head shortlist), the engine's two runs both eagerly and with compiled decode steps
-   (prunewatch.engine.compiled_decode; their graphs compile in the warm-up, untimed; --no-compiled skips them).
+   (prunewatch.engine.compiled_decode; their graphs compile in the warm-up, untimed; --no-compiled skips them);
+   and the real model served: `prunewatch serve` on 127.0.0.1 in a process of its own with the same threads,
+   dense and default, one streamed chat completion per run timed by the client (prunewatch.bench.served), in
+   the same rounds, with its ratio to the in-process run of the same plan (--no-served skips it).
 Per run: decode tokens/s (median and spread over rounds whose order rotates), the bytes one decode
 step really reads (weights of the linears that ran minus the rows the sparse kernel skipped, the
 head, the KV cache; counted by the execution ledger, not estimated), the share of the measured
@@ -47,6 +50,7 @@ from pathlib import Path
 import torch
 
 from prunewatch.bench._common import RESULTS_DIR, machine_info, synchronize
+from prunewatch.bench.served import ServedModel
 from prunewatch.bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
 from prunewatch.bench.step_products import capture_step, median_ms, replay, time_replay
 from prunewatch.engine.model_store import DEFAULT_MODEL, PROBE_MODEL_DIR, models_root
@@ -110,6 +114,11 @@ class RunRow:
     rest_ms_per_token: float | None = None
     products_speedup_vs_dense: float | None = None
     products_fraction_of_bound: float | None = None
+    # Served runs ("served-dense", "served-pruned": `prunewatch serve` on 127.0.0.1, streamed, timed by the client;
+    # prunewatch.bench.served): tokens/s over the in-process run of the same plan in this process's main thread
+    # ("dense", "pruned"), as the ratio of the medians and within rounds. None for the in-process runs.
+    served_vs_in_process: float | None = None
+    served_vs_in_process_paired: float | None = None
 
 
 @dataclass
@@ -208,6 +217,7 @@ class _Subject:
     plain: torch.nn.Module  # the same weights in plain transformers, never wrapped
     prompt_ids: list[int]
     facts: dict
+    model_dir: Path | None = None  # the folder `prunewatch serve` can load (None: the random-weight shape)
 
 
 def _load_real(model_dir: Path, calibration_dir: Path | None, device: str = "cpu") -> _Subject:
@@ -221,7 +231,7 @@ def _load_real(model_dir: Path, calibration_dir: Path | None, device: str = "cpu
     probe_set = load_calibration_set()
     engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.loaded.dtype).to(engine.loaded.device).eval()
-    return _Subject(model_dir.name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, REAL_WEIGHTS))
+    return _Subject(model_dir.name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, REAL_WEIGHTS), model_dir)
 
 
 def _load_shape(shape, calibration_dir: Path, seed: int = 0, texts_per_domain: int = 2, device: str = "cpu") -> _Subject:
@@ -259,12 +269,14 @@ def _facts(model: torch.nn.Module, weights: str) -> dict:
 
 
 def measure(subject: _Subject, new_tokens: int, rounds: int,
-            bandwidth: Callable[[], float] | None = None, compiled: bool = True) -> tuple[list[RunRow], list[float]]:
+            bandwidth: Callable[[], float] | None = None, compiled: bool = True,
+            served: ServedModel | None = None) -> tuple[list[RunRow], list[float]]:
     """Plain, dense and pruned decode of one model, `rounds` times each in rotating order; `bandwidth`
     (one read-bandwidth sample) runs before each run and after each round's last, so every run has a
     sample on either side, taken under the same load as the run on a shared host. `compiled`: also the
-    engine's two runs with compiled decode steps (after a warm-up that compiles their graphs). Returns
-    the rows and the bandwidth samples (GB/s)."""
+    engine's two runs with compiled decode steps (after a warm-up that compiles their graphs). `served`: also
+    the same model served by `prunewatch serve` (prunewatch.bench.served), dense and default, streamed and timed
+    by the client, in the same rounds. Returns the rows and the bandwidth samples (GB/s)."""
     from prunewatch.engine.execution import ExecutionPlan
 
     engine = subject.engine
@@ -280,6 +292,17 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
     if compiled:
         runs["dense-compiled"] = lambda: _engine_run(engine, subject.prompt_ids, ExecutionPlan(), new_tokens, True)
         runs["pruned-compiled"] = lambda: _engine_run(engine, subject.prompt_ids, plan, new_tokens, True)
+    served_ratios: dict[str, list[float | None]] = {}  # per served run and round: the server's decode ratio
+    if served is not None:
+        def served_run(name: str, dense: bool) -> Callable[[], tuple[float, None, None]]:
+            def run() -> tuple[float, None, None]:
+                decode = served.decode(PROMPT, new_tokens, dense=dense)
+                served_ratios.setdefault(name, []).append(decode.decode_pruning_ratio)
+                return decode.tokens_per_s, None, None
+            return run
+
+        runs["served-dense"] = served_run("served-dense", True)
+        runs["served-pruned"] = served_run("served-pruned", False)
     for name, run in runs.items():  # warm-up: first-call allocations, thread pools, the kernel's caches, graphs
         started = time.perf_counter()
         run()
@@ -306,7 +329,7 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
                 samples.append(before)
                 paired[name].append((before + after) / 2)
                 before = after
-            products_ms[name].append(products.ms(name.removesuffix("-compiled")))
+            products_ms[name].append(products.ms(_plan_of(name)))
         if before is not None:
             samples.append(before)
         logger.info("%s round %d: %s (load %.1f)", subject.name, r + 1,
@@ -328,7 +351,8 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
     medians = {name: statistics.median(values) for name, values in rates.items()}
     rows = []
     for name in names:
-        pruned = ledgers.get(name) if name.startswith("pruned") else None
+        counterpart = name.removeprefix("served-")  # a served run reads what the in-process run of its plan reads
+        pruned = ledgers.get(counterpart) if counterpart.startswith("pruned") else None
         bytes_per_token = pruned.decode_bytes_read // steps if pruned is not None else dense_bytes
         row = RunRow(model=subject.name, run=name, tokens_per_s=round(medians[name], 3),
                      tokens_per_s_min=round(min(rates[name]), 3), tokens_per_s_max=round(max(rates[name]), 3),
@@ -351,6 +375,8 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             row.speedup_vs_dense_paired = round(within_rounds, 4)
             row.fraction_of_bound_paired = round(within_rounds / bound, 4)
             row.decode_pruning_ratio = round(pruned.decode_pruning_ratio, 6)
+            if served_ratios.get(name):  # the server's own figure for its plan (the same prompt and defaults)
+                row.decode_pruning_ratio = round(statistics.median(v or 0.0 for v in served_ratios[name]), 6)
             row.fallback = fallback
         row.rounds_products_ms = [round(v, 3) for v in products_ms[name]]
         row.products_ms_per_token = round(statistics.median(products_ms[name]), 3)
@@ -361,6 +387,9 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             row.products_speedup_vs_dense = round(statistics.median(
                 dense / pruned_ms for dense, pruned_ms in zip(products_ms[dense_name], products_ms[name])), 4)
             row.products_fraction_of_bound = round(row.products_speedup_vs_dense / row.bound, 4)
+        if name.startswith("served-"):
+            row.served_vs_in_process = round(medians[name] / medians[counterpart], 4)
+            row.served_vs_in_process_paired = round(paired_ratio(rates[name], rates[counterpart]), 4)
         if name.endswith("-compiled"):
             eager = tokens[name.removesuffix("-compiled")]
             row.agreement_with_eager = round(sum(a == b for a, b in zip(tokens[name], eager)) / len(eager), 4)
@@ -407,6 +436,11 @@ class StepReplays:
                                      lambda: synchronize(self.device)))
 
 
+def _plan_of(name: str) -> str:
+    """The plan a run decodes under, as StepReplays names it: plain, dense or pruned."""
+    return name.removeprefix("served-").removesuffix("-compiled")
+
+
 def paired_ratio(rates: Sequence[float], baseline: Sequence[float]) -> float:
     """Median over rounds of rates[i] / baseline[i]: both runs of round i, so what slowed the round cancels."""
     if len(rates) != len(baseline) or not rates:
@@ -437,7 +471,7 @@ def format_table(result: dict) -> str:
             f"median {result['bandwidth_gb_s_median']:.1f})\n")
     columns = f"{'model':<28} {'run':<15} {'tok/s':>8} {'min-max':>13} {'MB/token':>9} {'of BW':>6} {'best':>6} " \
               f"{'paired':>6} " \
-              f"{'vs plain':>8} {'paired':>7} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'paired':>7} " \
+              f"{'vs plain':>8} {'paired':>7} {'vs in-proc':>10} {'paired':>7} {'s':>6} {'f':>6} {'bound':>6} {'vs dense':>8} {'paired':>7} " \
               f"{'of bound':>8} {'paired':>7} {'=eager':>6} {'prod ms':>7} {'rest ms':>7} {'prod/bound':>10}"
     lines = [head + columns, "-" * len(columns)]
     for row in result["rows"]:
@@ -449,6 +483,7 @@ def format_table(result: dict) -> str:
             f"{row['fraction_of_bandwidth']:>6.1%} {row.get('fraction_of_bandwidth_best', 0.0):>6.1%} "
             f"{opt('fraction_of_paired_bandwidth', '.1%'):>6} "
             f"{row['speedup_vs_plain']:>7.3f}x {opt('speedup_vs_plain_paired', '.3f'):>7} "
+            f"{opt('served_vs_in_process', '.3f'):>10} {opt('served_vs_in_process_paired', '.3f'):>7} "
             f"{opt('decode_sparsity', '.3f'):>6} {opt('pruneable_share', '.3f'):>6} {opt('bound', '.3f'):>6} "
             f"{opt('speedup_vs_dense', '.3f'):>8} {opt('speedup_vs_dense_paired', '.3f'):>7} "
             f"{opt('fraction_of_bound', '.3f'):>8} {opt('fraction_of_bound_paired', '.3f'):>7} "
@@ -470,8 +505,7 @@ def write_plot(result: dict, path: Path) -> None:
     left, right = axes[0], axes[1]
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
-        rows = [next(r for r in result["rows"] if r["model"] == m and r["run"] == run) for m in models]
-        x = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(models))]
+        x, rows = _placed(result, models, run, i, len(runs), width)
         left.bar(x, [r["tokens_per_s"] for r in rows], width, label=run,
                  yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
                        [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]], capsize=3)
@@ -503,15 +537,23 @@ def write_plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _placed(result: dict, models: list[str], run: str, i: int, runs: int, width: float
+            ) -> tuple[list[float], list[dict]]:
+    """Bar positions and rows of `run` (the i-th of `runs`) for the models that have it (the random-weight shape
+    has no served runs)."""
+    placed = [(j + (i - (runs - 1) / 2) * width, row) for j, model in enumerate(models)
+              for row in result["rows"] if row["model"] == model and row["run"] == run]
+    return [x for x, _ in placed], [row for _, row in placed]
+
+
 def _plot_breakdown(axis, result: dict, models: list[str], runs: list[str], width: float) -> None:
     """Each run's step time over the engine's dense eager step of the same model: the weight products
     replayed alone (solid) and the rest of the step (light), which skipping rows does not shorten."""
     colors = [f"C{i}" for i in range(len(runs))]
     for i, run in enumerate(runs):
-        rows = [next(r for r in result["rows"] if r["model"] == m and r["run"] == run) for m in models]
-        dense_ms = [1e3 / next(r for r in result["rows"] if r["model"] == m and r["run"] == "dense")["tokens_per_s"]
-                    for m in models]
-        x = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(models))]
+        x, rows = _placed(result, models, run, i, len(runs), width)
+        dense_ms = [1e3 / next(r for r in result["rows"] if r["model"] == row["model"] and r["run"] == "dense")[
+            "tokens_per_s"] for row in rows]
         products = [r["products_ms_per_token"] / d for r, d in zip(rows, dense_ms)]
         rest = [max(0.0, r["rest_ms_per_token"]) / d for r, d in zip(rows, dense_ms)]
         axis.bar(x, products, width, color=colors[i], label=run)
@@ -522,10 +564,20 @@ def _plot_breakdown(axis, result: dict, models: list[str], runs: list[str], widt
     axis.legend(fontsize=8)
 
 
+def _serving(subject: _Subject, served: bool, calibration_dir: Path | None, device: str):
+    """`prunewatch serve` of the subject's model folder with this thread's intra-op threads, or nothing (no
+    folder to serve: the random-weight shape; or served runs not asked for)."""
+    if not served or subject.model_dir is None:
+        return contextlib.nullcontext(None)
+    return ServedModel(subject.model_dir, threads=torch.get_num_threads(), calibration_dir=calibration_dir,
+                       device=device)
+
+
 def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidth_mib: int, bandwidth_reps: int,
         calibration_dir: Path | None, out: Path, plot: Path | None, device: str = "cpu",
-        compiled: bool = True) -> dict:
-    """The whole benchmark; returns the result written to `out` (rewritten after each model)."""
+        compiled: bool = True, served: bool = True) -> dict:
+    """The whole benchmark; returns the result written to `out` (rewritten after each model). `served`: the real
+    model also through `prunewatch serve` (prunewatch.bench.served)."""
     if model_dir is None and shape is None:
         raise ValueError("nothing to measure: neither a real model nor a shape")
     reader = BandwidthReader(bandwidth_mib, device)
@@ -535,7 +587,11 @@ def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidt
                          bandwidth_reps=[round(v, 3) for v in reps],
                          settings={"new_tokens": new_tokens, "rounds": rounds, "bandwidth_mib": bandwidth_mib,
                                    "prompt": PROMPT, "timer": "first generated token to last, fixed length",
-                                   "compiled": compiled and device == "cpu"})
+                                   "compiled": compiled and device == "cpu",
+                                   "served": served and model_dir is not None,
+                                   "served_timer": "prunewatch serve on 127.0.0.1 (same threads, eager), one streamed "
+                                                   "chat completion per run, timed by the client from the first text "
+                                                   "chunk to the last (one chunk per token)"})
     logger.info("read bandwidth %.1f GB/s", result.bandwidth_gb_s)
     subjects = []
     with tempfile.TemporaryDirectory(prefix="prunewatch-speed-") as scratch:
@@ -546,8 +602,9 @@ def run(model_dir: Path | None, shape, *, new_tokens: int, rounds: int, bandwidt
         for done, load in enumerate(subjects, start=1):
             subject = load()
             result.models[subject.name] = subject.facts
-            rows, samples = measure(subject, new_tokens, rounds, reader.sample,
-                                    compiled=compiled and device == "cpu")
+            with _serving(subject, served, calibration_dir, device) as server:
+                rows, samples = measure(subject, new_tokens, rounds, reader.sample,
+                                        compiled=compiled and device == "cpu", served=server)
             result.rows.extend(rows)
             reps.extend(samples)
             del subject  # one model in memory at a time
@@ -596,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip the compiled decode runs (each graph compiles for about a minute first)")
+    parser.add_argument("--no-served", action="store_true",
+                        help="skip the served runs (the real model through `prunewatch serve` on 127.0.0.1)")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON",
                         help="measure nothing: print the table and the goals of a result written before "
                              "(and draw its plot to --plot, when given)")
@@ -635,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                bandwidth_reps=args.bandwidth_reps, calibration_dir=args.calibration_dir,
                out=args.out or RESULTS / f"speed-{args.device}.json",
                plot=None if args.no_plot else args.plot or RESULTS / f"speed-{args.device}.png", device=args.device,
-               compiled=not args.no_compiled)
+               compiled=not args.no_compiled, served=not args.no_served)
     sys.stdout.write(format_table(data) + "\n\n" + format_goals(data) + "\n")
     return 0
 

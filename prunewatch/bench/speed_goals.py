@@ -23,6 +23,8 @@ SPEEDUP_VS_PLAIN = (("ratio of medians", "speedup_vs_plain"), ("within rounds", 
 SHARE_OF_BANDWIDTH = (("median round vs best sample", "fraction_of_bandwidth"),
                       ("paired with each round", "fraction_of_paired_bandwidth"))
 SHARE_OF_BOUND = (("ratio of medians", "fraction_of_bound"), ("within rounds", "fraction_of_bound_paired"))
+SERVED_VS_IN_PROCESS = (("ratio of medians", "served_vs_in_process"), ("within rounds", "served_vs_in_process_paired"))
+SERVED_RUNS = ("served-dense", "served-pruned")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ GOALS: tuple[Goal, ...] = (
          ENGINE_RUNS, 0.70, SHARE_OF_BANDWIDTH, percent=True),
     Goal("default_vs_bound", "default operating point >= 0.9 of its bound 1/(1-s f) (real model)", True,
          ("pruned", "pruned-compiled"), 0.90, SHARE_OF_BOUND),
+    Goal("served_vs_in_process", "served decode (prunewatch serve, streamed, client-timed) >= 0.95x the in-process "
+         "main-thread decode, dense and default (real model)", True, SERVED_RUNS, 0.95, SERVED_VS_IN_PROCESS),
 )
 
 

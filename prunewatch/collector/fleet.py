@@ -110,9 +110,11 @@ class FleetOutcome:
 
 
 def load_engine_cached(model_dir: Path, device: str, calibration_dir: Path | None, cache: dict) -> Any:
-    """One engine per (model folder, device), calibrated on the calibration set (cached on disk)."""
+    """One engine per (model folder, device), calibrated on the calibration set (cached on disk); this thread's
+    OpenMP team is released after, as the engine's probes run on its generation thread (prunewatch/engine/threads.py)."""
     from prunewatch.engine import EngineSettings, PruningEngine
     from prunewatch.engine.loading import check_model_dir
+    from prunewatch.engine.threads import release_openmp_team
 
     key = (str(Path(model_dir).resolve()), device)
     if key not in cache:
@@ -120,6 +122,7 @@ def load_engine_cached(model_dir: Path, device: str, calibration_dir: Path | Non
         engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device=device, calibration_dir=calibration_dir))
         calibration = load_calibration_set()
         engine.load_or_calibrate(calibration.calibration_texts(), calibration.digest)
+        release_openmp_team()  # probes run on the engine's generation thread: this thread's team would be a second
         cache[key] = engine
     return cache[key]
 

@@ -35,7 +35,11 @@ class InProcessTarget:
             quality=self.quality if quality is None else quality)
 
     def run_probe(self, probe: Probe, cancel: threading.Event | None = None) -> GenerationResult:
-        """Generate token by token so a set `cancel` stops the work at the next token."""
+        """Generate token by token on the engine's generation thread (whichever thread asks: a scheduler's, a
+        deadline's), so a set `cancel` stops the work at the next token."""
+        return self.engine.generation_thread.run(self._generate, probe, cancel)
+
+    def _generate(self, probe: Probe, cancel: threading.Event | None) -> GenerationResult:
         result = None
         stream = self.engine.stream(
             probe.prompt, system=probe.system or None, max_new_tokens=probe.max_tokens,

@@ -163,8 +163,14 @@ class EngineReference(_CachedReference):
     def _prompt_ids(self, probe: Probe) -> list[int]:
         return self.engine.render_prompt(probe.prompt, probe.system or None)
 
+    def _on_engine(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Run on the engine's generation thread, where its probes run: a forward pass on the collector's
+        thread would start a second OpenMP team, and two make every step sleep and wake."""
+        threads = getattr(self.engine, "generation_thread", None)
+        return method(*args) if threads is None else threads.run(method, *args)
+
     def _generate(self, probe: Probe) -> str:
-        ids = self.engine.reference_answer(self._prompt_ids(probe), probe.max_tokens)
+        ids = self._on_engine(self.engine.reference_answer, self._prompt_ids(probe), probe.max_tokens)
         self._own_ids[probe.content_hash] = ids
         return self.engine.loaded.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -186,7 +192,7 @@ class EngineReference(_CachedReference):
         ids = list(ids)
         if not ids:
             return _Scored([], [], [])
-        greedy, logprobs = self.engine.answer_logprobs(self._prompt_ids(probe), ids)
+        greedy, logprobs = self._on_engine(self.engine.answer_logprobs, self._prompt_ids(probe), ids)
         return _Scored(greedy, logprobs, ids)
 
 

@@ -9,6 +9,7 @@ returns plain `RequestStats`; it never writes to a database or a metrics registr
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from prunewatch.engine.quality import answer_token_scores, divergence, quality_c
 from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
 from prunewatch.engine.signals import memory_pressure
 from prunewatch.engine.stats import GenerationResult, RequestStats
+from prunewatch.engine.threads import GenerationThreads
 
 logger = logging.getLogger("prunewatch.engine")
 
@@ -108,6 +110,8 @@ class PruningEngine:
         self._sparsity = None  # prunewatch.engine.sparse.SparsityInstallation once thresholds are calibrated
         self._output_head = None  # prunewatch.engine.sparse.output_head.ShortlistHead once enabled
         self._compiled = None  # prunewatch.engine.compiled_decode.CompiledDecode, built on first use when configured
+        self._generation_thread: GenerationThreads | None = None  # started on first use (generation_thread)
+        self._generation_thread_lock = threading.Lock()
         if calibration is not None:
             self.use_calibration(calibration)
         self.dram_profile = self._load_dram_profile(settings.dram_profile)
@@ -137,6 +141,17 @@ class PruningEngine:
     @property
     def calibration(self) -> Calibration | None:
         return self._calibration
+
+    @property
+    def generation_thread(self) -> GenerationThreads:
+        """This engine's own generation thread, for in-process callers that are not a server (the collector's
+        targets): one long-lived thread with `settings.threads` intra-op threads, started on first use and shared
+        by every caller, so probes of one engine run one at a time on one OpenMP team (prunewatch/engine/threads.py).
+        The server runs its workers' own (prunewatch/server/admission.py)."""
+        with self._generation_thread_lock:
+            if self._generation_thread is None:
+                self._generation_thread = GenerationThreads(1, self.settings.threads, name="prunewatch-engine")
+            return self._generation_thread
 
     # -- calibration -------------------------------------------------------------------------
     def use_calibration(self, calibration: Calibration) -> None:

@@ -154,6 +154,15 @@ class EngineSettings(BaseSettings):
             "eagerly. Each graph compiles on its first step (about a minute for SmolLM2-135M on two cores; "
             "`prunewatch serve` warms them up before it listens). Needs a C++ compiler, as the sparse kernel does."),
     )
+    threads: int | None = Field(
+        None, ge=1, le=1024,
+        description=(
+            "CPU threads of one generation: torch's intra-op threads on the long-lived thread it runs on "
+            "(prunewatch/engine/threads.py), set when that thread starts. Default: the cores torch uses, shared among "
+            "the server's workers. Generations never run on the thread that loaded the model, whose OpenMP team is "
+            "released first: two teams on two cores make GNU OpenMP sleep and wake its threads at every parallel "
+            "region of every decode step (README, 'Served decode speed')."),
+    )
     dram_profile: Path | None = Field(
         None,
         description=(

@@ -1,7 +1,10 @@
 """Bounded admission and the bridge from the engine's blocking generator to asyncio.
 
 Why: CPU inference is fastest serialised, and the event loop must never run a forward pass, so
-generations run on a small worker pool. The queue bound counts requests admitted and not yet
+generations run on a small pool of long-lived generation threads (prunewatch.engine.threads.GenerationThreads:
+each configured at start with its share of the cores, so the process keeps one OpenMP team per worker and
+libgomp keeps spin-waiting; a second team, such as the loading thread's, makes every decode step sleep and
+wake its team at each parallel region). The queue bound counts requests admitted and not yet
 finished, waiting plus running; past it a request is refused at once (429 + Retry-After) instead
 of waiting unboundedly and timing out in the client.
 
@@ -13,13 +16,14 @@ workers, or one after the other on the same worker, never see each other's plan 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Generic, TypeVar
+
+from prunewatch.engine.threads import GenerationThreads
 
 T = TypeVar("T")
 
@@ -77,9 +81,8 @@ class GenerationJob(Generic[T]):
         self._admitted_at = time.perf_counter()
         self._queue = queue
         self.queue_ms = 0.0  # admitted -> a worker picked it up; written by the worker before any item
-        context = contextvars.copy_context()
-        try:
-            self.future: Future[None] = queue._executor.submit(context.run, self._work)
+        try:  # in a copy of this context (GenerationThreads.submit)
+            self.future: Future[None] = queue.threads.submit(self._work)
         except RuntimeError:  # the pool is shut down: the server is stopping
             slot.release()
             raise
@@ -129,14 +132,16 @@ class GenerationJob(Generic[T]):
 
 
 class AdmissionQueue:
-    """At most `depth` requests admitted at once; `workers` of them generate at the same time."""
+    """At most `depth` requests admitted at once; `workers` of them generate at the same time, each on a
+    generation thread with `threads` intra-op threads (None: its share of the cores)."""
 
-    def __init__(self, depth: int, workers: int = 1, on_change: Callable[[int], None] | None = None) -> None:
+    def __init__(self, depth: int, workers: int = 1, on_change: Callable[[int], None] | None = None,
+                 threads: int | None = None) -> None:
         if depth < 1 or workers < 1:
             raise ValueError(f"depth and workers must be >= 1, got depth={depth}, workers={workers}")
         self.depth = depth
         self.workers = workers
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prunewatch-generate")
+        self.threads = GenerationThreads(workers, threads)
         self._lock = threading.Lock()
         self._in_flight = 0
         self._service_s: float | None = None
@@ -186,4 +191,4 @@ class AdmissionQueue:
 
     def close(self) -> None:
         """Stop taking work; jobs not yet started are dropped (their slots released)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.threads.shutdown(wait=False)

@@ -70,7 +70,8 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
                        "the API accepts every request")
     metrics = ServerMetrics(engine.name, registry)
     metrics.set_queue_limit(settings.queue_depth)
-    queue = AdmissionQueue(settings.queue_depth, settings.workers, on_change=metrics.set_in_queue)
+    queue = AdmissionQueue(settings.queue_depth, settings.workers, on_change=metrics.set_in_queue,
+                           threads=engine.settings.threads)
     policy = PruningPolicy()  # per-domain defaults for requests without X-Pruning-Sensitivity (prunewatch/server/policy.py)
     service = CompletionService(engine, settings, queue, metrics, policy=policy)
     started = int(time.time())

@@ -212,8 +212,6 @@ class CompletionService:
             raise APIError(400, f"This model's context is {self.context_window} tokens; the prompt's "
                                 f"{len(ids)} plus {max_new} completion tokens do not fit.",
                            param=f"{param_prefix}{what}", code="context_length_exceeded")
-        if self.policy is not None and pruning.sensitivity is None and not self.policy.empty:
-            pruning = await asyncio.to_thread(apply_policy, self.policy, self.engine, ids, pruning)
         return GenerationSpec(kind=kind, request_id=uuid.uuid4().hex, prompt=prompt, messages=messages,
                               prompt_ids=tuple(ids), prompt_tokens=len(ids), max_new_tokens=max_new, pruning=pruning,
                               stream=bool(body.stream), stop=stop, logprobs=logprobs, echo=echo)
@@ -247,18 +245,20 @@ class CompletionService:
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
 
     def start(self, slot: Slot, spec: GenerationSpec) -> GenerationJob[TokenDelta | GenerationResult]:
-        engine = self.engine
+        engine, policy = self.engine, self.policy
 
         def run() -> Iterator[TokenDelta | GenerationResult]:
+            # The policy's domain match reads the prompt's embeddings: tensor work, so it runs here, on the
+            # generation thread, rather than on a helper thread that would start an OpenMP team of its own.
+            pruning = apply_policy(policy, engine, spec.prompt_ids, spec.pruning)
             return engine.stream(
                 spec.prompt,
                 messages=list(spec.messages) if spec.messages is not None else None,
                 max_new_tokens=spec.max_new_tokens,
-                sensitivity=spec.pruning.sensitivity,
-                layer_blacklist=list(spec.pruning.layer_blacklist) if spec.pruning.layer_blacklist is not None
-                else None,
-                log_level=spec.pruning.log_level,
-                quality=spec.pruning.quality,
+                sensitivity=pruning.sensitivity,
+                layer_blacklist=list(pruning.layer_blacklist) if pruning.layer_blacklist is not None else None,
+                log_level=pruning.log_level,
+                quality=pruning.quality,
                 request_id=spec.request_id,
                 prompt_ids=list(spec.prompt_ids),
                 stop=spec.stop,

@@ -138,7 +138,8 @@ def matched_domain(engine: Any, prompt_ids: Sequence[int]) -> str | None:
 
 def apply_policy(policy: PruningPolicy | None, engine: Any, prompt_ids: Sequence[int],
                  pruning: PruningRequest) -> PruningRequest:
-    """`pruning` with the policy's sensitivity when the request did not set one (blocking: run in a thread)."""
+    """`pruning` with the policy's sensitivity when the request did not set one (tensor work: the server runs it
+    on the generation thread, at the start of the request's generation)."""
     if policy is None or pruning.sensitivity is not None or policy.empty:
         return pruning
     sensitivity = policy.sensitivity(matched_domain(engine, prompt_ids))

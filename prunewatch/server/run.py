@@ -18,19 +18,22 @@ from typing import Any, Literal
 
 from prunewatch.engine.pruning_engine import PruningEngine
 from prunewatch.engine.settings import EngineSettings, LogLevel
+from prunewatch.engine.threads import release_openmp_team
 from prunewatch.server.settings import ServerSettings
 
 logger = logging.getLogger("prunewatch.server")
 
 def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["auto", "cpu", "cuda"] = "auto",
                  *, probes_path: Path | None = None, calibration_dir: Path | None = None,
-                 log_level: LogLevel = LogLevel.SUMMARY) -> PruningEngine:
-    """Load the model and attach a calibration (cached, else measured on the calibration set)."""
+                 log_level: LogLevel = LogLevel.SUMMARY, threads: int | None = None) -> PruningEngine:
+    """Load the model and attach a calibration (cached, else measured on the calibration set); then release
+    this thread's OpenMP team, as generations run on generation threads (prunewatch/engine/threads.py)."""
     from prunewatch.probes import CALIBRATION_PATH, load_calibration_set
 
+    unset = {"calibration_dir": calibration_dir, "threads": threads}  # None: PRUNEWATCH_ENGINE_*, else the default
     engine = PruningEngine.load(EngineSettings(
-        model_dir=Path(model_dir), device=device, sensitivity=sensitivity, calibration_dir=calibration_dir,
-        log_level=log_level,
+        model_dir=Path(model_dir), device=device, sensitivity=sensitivity, log_level=log_level,
+        **{name: value for name, value in unset.items() if value is not None},
     ))
     probe_set = load_calibration_set(probes_path or CALIBRATION_PATH)
     calibration, cached = engine.load_or_calibrate(probe_set.calibration_texts(), probe_set.digest)
@@ -39,6 +42,8 @@ def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["aut
     warm_up_s = engine.warm_up_compiled()  # PRUNEWATCH_ENGINE_COMPILE_DECODE=true: compile before listening
     if warm_up_s is not None:
         logger.info("compiled decode graphs ready in %.0f s", warm_up_s)
+    # Generations run on the server's generation threads: this thread's OpenMP team would be a second one.
+    release_openmp_team()
     return engine
 
 
@@ -58,9 +63,10 @@ def _log_to_stderr(level: str) -> None:
 def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivity: float = 0.5,
           device: Literal["auto", "cpu", "cuda"] = "auto", *, queue_depth: int | None = None,
           workers: int | None = None, probes_path: Path | None = None, calibration_dir: Path | None = None,
-          log_level: str = "info", listener: socket.socket | None = None) -> None:
+          log_level: str = "info", listener: socket.socket | None = None, threads: int | None = None) -> None:
     """Serve `model_dir` on host:port until interrupted (the `prunewatch serve` command). `listener`: the
-    socket `bind_listener(host, port)` bound already (the command binds before it resolves the model).
+    socket `bind_listener(host, port)` bound already (the command binds before it resolves the model). `threads`:
+    CPU threads of each generation (default PRUNEWATCH_ENGINE_THREADS, else the cores shared among the workers).
 
     Everything not passed here comes from ServerSettings (PRUNEWATCH_SERVER_* variables, and
     PRUNEWATCH_API_KEYS / PRUNEWATCH_API_KEYS_FILE for auth).
@@ -79,7 +85,8 @@ def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivit
     # Bound before minutes of loading, so a taken port fails at once.
     sock = listener if listener is not None else bind_listener(settings.host, settings.port)
     try:
-        engine = build_engine(model_dir, sensitivity, device, probes_path=probes_path, calibration_dir=calibration_dir)
+        engine = build_engine(model_dir, sensitivity, device, probes_path=probes_path, calibration_dir=calibration_dir,
+                              threads=threads)
         app = create_app(engine, settings)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level)
         uvicorn.Server(config).run(sockets=[sock])

@@ -70,6 +70,7 @@ class FakeEngine:
     loaded = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256)),
                              device=SimpleNamespace(type="cpu"))
     context_window = 256
+    settings = SimpleNamespace(threads=None)  # the generation threads' intra-op threads: their share of the cores
     vocab_size = 256
 
     def decode_prompt(self, prompt_ids: list[int]) -> str:

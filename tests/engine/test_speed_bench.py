@@ -37,9 +37,11 @@ def test_speed_bench_writes_every_model_and_run(speed_result):
     assert data["bandwidth_gb_s"] == max(data["bandwidth_reps"]) > 0
     assert len(data["models"]) == 2 and data["models_pending"] == 0
     runs = {(row["model"], row["run"]) for row in data["rows"]}
-    assert data["settings"]["compiled"] is True
-    assert runs == {(model, run) for model in data["models"]
-                    for run in ("plain", "dense", "pruned", "dense-compiled", "pruned-compiled")}
+    assert data["settings"]["compiled"] is True and data["settings"]["served"] is True
+    in_process = ("plain", "dense", "pruned", "dense-compiled", "pruned-compiled")
+    served = ("served-dense", "served-pruned")  # a model folder `prunewatch serve` loads: the real model, not the shape
+    assert runs == {(model, run) for model in data["models"] for run in in_process} | {
+        ("probe-llama", run) for run in served}
     table = format_table(data)
     assert all(model in table for model in data["models"])
 
@@ -82,7 +84,7 @@ def test_speed_bench_figures_are_consistent(speed_result):
         for name, row in rows.items():
             assert row["speedup_vs_plain_paired"] == pytest.approx(row["rounds"][0] / plain["rounds"][0], rel=(
                 stored(row["rounds"][0], plain["rounds"][0]) + stored(row["speedup_vs_plain_paired"], digits=4)))
-            if name.startswith("pruned"):
+            if name.removeprefix("served-").startswith("pruned"):
                 baseline = rows[name.replace("pruned", "dense")]
                 assert row["speedup_vs_dense_paired"] == pytest.approx(
                     row["rounds"][0] / baseline["rounds"][0], rel=(stored(row["rounds"][0], baseline["rounds"][0])
@@ -100,7 +102,7 @@ def test_speed_bench_figures_are_consistent(speed_result):
             step_ms = 1e3 / row["rounds"][0]  # rates are stored to 3 decimals: the step's ms to about this
             assert row["rest_ms_per_token"] == pytest.approx(step_ms - replayed,
                                                              abs=2e-3 + step_ms * 1e-3 / row["rounds"][0])
-            if name.startswith("pruned"):
+            if name.removeprefix("served-").startswith("pruned"):
                 baseline = rows[name.replace("pruned", "dense")]
                 expected = baseline["rounds_products_ms"][0] / replayed
                 assert row["products_speedup_vs_dense"] == pytest.approx(expected, rel=stored(
@@ -110,6 +112,29 @@ def test_speed_bench_figures_are_consistent(speed_result):
                         row["products_speedup_vs_dense"], row["bound"], row["products_fraction_of_bound"], digits=4))
             else:
                 assert row["products_speedup_vs_dense"] is None and row["products_fraction_of_bound"] is None
+
+
+def test_served_runs_stand_beside_the_in_process_runs_of_their_plan(speed_result):
+    """`prunewatch serve` of the same folder, dense and default: each served row reads what the in-process run of
+    its plan reads, and its ratio to it is stored, as the ratio of medians and within the round."""
+    data, _ = speed_result
+    rows = {row["run"]: row for row in data["rows"] if row["model"] == "probe-llama"}
+    for name, counterpart in (("served-dense", "dense"), ("served-pruned", "pruned")):
+        row, base = rows[name], rows[counterpart]
+        assert row["bytes_per_token"] == base["bytes_per_token"] and row["tokens_per_s"] > 0
+        assert row["served_vs_in_process"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"], rel=stored(
+            row["tokens_per_s"], base["tokens_per_s"]) + stored(row["served_vs_in_process"], digits=4))
+        assert row["served_vs_in_process_paired"] == pytest.approx(row["rounds"][0] / base["rounds"][0], rel=stored(
+            row["rounds"][0], base["rounds"][0]) + stored(row["served_vs_in_process_paired"], digits=4))
+        assert base["served_vs_in_process"] is None and base["served_vs_in_process_paired"] is None
+    assert rows["served-dense"]["decode_pruning_ratio"] is None  # dense: no plan, as the in-process dense row
+    assert rows["served-pruned"]["decode_pruning_ratio"] > 0  # the server's default plan skipped work
+    # The table shows the ratio in its "vs in-proc" columns, for the served rows only.
+    header, _, *lines = format_table(data).splitlines()[1:]
+    assert "vs in-proc" in header
+    for line in lines:
+        fields = line.split()
+        assert (fields[10] != "-") == fields[1].startswith("served-")
 
 
 def test_paired_ratio_cancels_what_slowed_a_whole_round():
@@ -148,12 +173,14 @@ def test_a_result_without_the_step_breakdown_shows_none(speed_result):
 
 def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):
     data, _ = speed_result
-    runs_per_model = len({row["run"] for row in data["rows"]})
+    runs = {model: sum(row["model"] == model for row in data["rows"]) for model in data["models"]}
     # Two samples before the decodes, then per model and round one before each run and one after the last.
     samples = data["bandwidth_reps"]
-    assert len(samples) == 2 + len(data["models"]) * (runs_per_model + 1)
-    for m, model in enumerate(data["models"]):
-        beside = samples[2 + m * (runs_per_model + 1):][:runs_per_model + 1]
+    assert len(samples) == 2 + sum(n + 1 for n in runs.values())
+    start = 2
+    for model, runs_per_model in runs.items():
+        beside = samples[start:][:runs_per_model + 1]
+        start += runs_per_model + 1
         rows = [row for row in data["rows"] if row["model"] == model]  # one round: run order = row order
         assert [row["rounds_bandwidth_gb_s"][0] for row in rows] == pytest.approx(
             [(a + b) / 2 for a, b in itertools.pairwise(beside)], abs=2e-3)
@@ -202,7 +229,7 @@ def test_a_run_that_fails_in_its_second_model_keeps_the_first(probe_model_dir, c
     out = tmp_path / "speed.json"
     with pytest.raises(RuntimeError, match="could not be built"):
         run(probe_model_dir, TINY, new_tokens=4, rounds=1, bandwidth_mib=16, bandwidth_reps=2,
-            calibration_dir=calibration_dir, out=out, plot=None, compiled=False)
+            calibration_dir=calibration_dir, out=out, plot=None, compiled=False, served=False)
     kept = json.loads(out.read_text())
     assert kept["models_pending"] == 1 and list(kept["models"]) == ["probe-llama"]
     assert {row["run"] for row in kept["rows"]} == {"plain", "dense", "pruned"}

@@ -41,6 +41,10 @@ def _result(real_dense_within: float = 1.01, shape_paired: float = 0.8) -> dict:
         _row(REAL, "pruned-compiled", speedup_vs_plain=1.51, speedup_vs_plain_paired=1.39,
              fraction_of_bandwidth=0.43, fraction_of_paired_bandwidth=0.52, fraction_of_bound=0.92,
              fraction_of_bound_paired=0.83),
+        _row(REAL, "served-dense", speedup_vs_plain=0.93, fraction_of_bandwidth=0.35, served_vs_in_process=0.97,
+             served_vs_in_process_paired=0.99),
+        _row(REAL, "served-pruned", speedup_vs_plain=1.01, fraction_of_bandwidth=0.28, served_vs_in_process=0.93,
+             served_vs_in_process_paired=0.96),
     ]
     for run in ("plain", "dense", "pruned", "dense-compiled", "pruned-compiled"):
         rows.append(_row(SHAPE, run, speedup_vs_plain=1.0, fraction_of_bandwidth=0.75,
@@ -63,7 +67,11 @@ def test_each_goal_reads_its_runs_of_its_model_under_each_estimator():
     assert len(by_goal["real_model_bandwidth"]) == len(by_goal["shape_bandwidth"]) == 4 * 2
     assert {(c.run, c.field) for c in by_goal["default_vs_bound"]} == {
         (run, field) for run in ("pruned", "pruned-compiled") for field in ("fraction_of_bound", "fraction_of_bound_paired")}
+    assert {(c.model, c.run, c.field) for c in by_goal["served_vs_in_process"]} == {
+        (REAL, run, field) for run in ("served-dense", "served-pruned")
+        for field in ("served_vs_in_process", "served_vs_in_process_paired")}
     met = {(c.goal, c.run, c.field): c.met for c in checks}
+    assert met[("served_vs_in_process", "served-pruned", "served_vs_in_process")] is False  # 0.93 < 0.95
     assert met[("dense_vs_plain", "dense", "speedup_vs_plain")] is False  # 0.96 < 0.98
     assert met[("dense_vs_plain", "dense", "speedup_vs_plain_paired")] is True  # 1.01
     assert met[("real_model_bandwidth", "pruned", "fraction_of_paired_bandwidth")] is False  # 0.40 < 0.50
@@ -75,12 +83,14 @@ def test_verdicts_say_whether_every_some_or_no_check_met_the_goal():
     assert summary["dense_vs_plain"]["verdict"] == "partly met"
     assert summary["shape_bandwidth"]["verdict"] == "met"  # 75% and 80% against 70%
     assert summary["default_vs_bound"]["verdict"] == "partly met"
+    assert summary["served_vs_in_process"]["verdict"] == "partly met"
     missed = {entry["goal"]: entry for entry in goals_summary(_result(shape_paired=0.5))}
     assert missed["shape_bandwidth"]["verdict"] == "partly met"  # 75% against the best sample still meets it
     everything_met = _result(real_dense_within=1.2)
     for row in everything_met["rows"]:
         for key in ("speedup_vs_plain", "fraction_of_bandwidth", "fraction_of_paired_bandwidth",
-                    "fraction_of_bound", "fraction_of_bound_paired"):
+                    "fraction_of_bound", "fraction_of_bound_paired", "served_vs_in_process",
+                    "served_vs_in_process_paired"):
             row[key] = 2.0
     assert {entry["verdict"] for entry in goals_summary(everything_met)} == {"met"}
     nothing_met = _result(real_dense_within=0.5)
