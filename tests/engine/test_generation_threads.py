@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from prunewatch.collector.targets import InProcessTarget
+from prunewatch.collector.in_process import InProcessTarget
 from prunewatch.engine.threads import GenerationThreads, _name_os_thread, openmp_runtime, release_openmp_team
 from prunewatch.probes import Probe
 from prunewatch.server import ServerSettings, create_app
