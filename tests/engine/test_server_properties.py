@@ -88,7 +88,7 @@ class FakeEngine:
 
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                max_new_tokens: int = 1, sensitivity: float | None = None, layer_blacklist: list[int] | None = None,
-               log_level: LogLevel | None = None, quality: bool = False, request_id: str | None = None,
+               log_level: LogLevel | None = None, quality: bool | str = False, request_id: str | None = None,
                prompt_ids: list[int] | None = None, logprobs: int | None = None, echo: bool = False,
                **_: Any) -> Iterator[TokenDelta | GenerationResult]:
         sensitivity = DEFAULT_SENSITIVITY if sensitivity is None else float(sensitivity)
@@ -124,8 +124,10 @@ class FakeEngine:
             sensitivity=sensitivity, pruning_ratio=ratio, executed_flops=100 - len(bypassed), dense_flops=100,
             prefill_pruning_ratio=ratio, decode_pruning_ratio=ratio, layers_bypassed=bypassed,
             layers_total=self.num_layers, effective_sensitivity=sensitivity,
-            quality=QualityReport(continuation_agreement=1.0, dense_perplexity=2.0, pruned_perplexity=2.0,
-                                  perplexity_delta_pct=0.0, continuation_tokens=max_new_tokens) if quality else None,
+            quality=QualityReport(reference_agreement=1.0, reference_tokens=max_new_tokens, served_nll=0.7,
+                                  continuation_agreement=1.0, dense_perplexity=2.0, pruned_perplexity=2.0,
+                                  perplexity_delta_pct=0.0, continuation_tokens=max_new_tokens)
+            if quality not in (False, "off") else None,
         )
         yield GenerationResult(text="x" * max_new_tokens, token_ids=list(range(max_new_tokens)), stats=stats,
                                logprobs=generated, prompt_logprobs=prompt_logprobs, prompt_text=prompt_text)
@@ -233,7 +235,7 @@ log_levels = st.one_of(
     st.sampled_from(["none", "Summary", " detailed", "LOUD", "DEBUG", "", "NONE\xa0"]),
     header_text)
 qualities = st.one_of(
-    st.sampled_from(["on", "off"]),
+    st.sampled_from(["on", "off", "full"]),
     st.sampled_from(["ON", "true", "False", "1", "0", "yes", "", "maybe", "on\x85"]),
     header_text)
 HEADER_VALUES = {ph.SENSITIVITY: sensitivities, ph.BLACKLIST: blacklists, ph.LOG_LEVEL: log_levels,
@@ -267,7 +269,7 @@ HEADER_OK = {
     ph.SENSITIVITY: sensitivity_ok,
     ph.BLACKLIST: blacklist_ok,
     ph.LOG_LEVEL: lambda v: v.strip(OWS).upper() in {"NONE", "SUMMARY", "DETAILED"},
-    ph.QUALITY: lambda v: v.strip(OWS).lower() in {"on", "off", "true", "false", "1", "0"},
+    ph.QUALITY: lambda v: v.strip(OWS).lower() in {"on", "off", "full", "true", "false", "1", "0"},
 }
 
 
@@ -327,7 +329,7 @@ def test_pruning_headers_get_a_200_or_a_400_naming_the_header(client: TestClient
             blacklist = headers.get(ph.BLACKLIST, [""])[0]
             assert not {int(p) for p in layers_of(blacklist)} & set(stats["layers_bypassed"])
             assert (stats["quality"] is not None) == (headers.get(ph.QUALITY, ["off"])[0].strip(OWS).lower()
-                                                      in {"on", "true", "1"})
+                                                      in {"on", "full", "true", "1"})
         if route == "batch":
             assert answer["data"][0]["status_code"] == 200
     still_healthy(client, registry)
