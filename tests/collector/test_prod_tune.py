@@ -56,7 +56,8 @@ class CurveTarget:
             completion_tokens=4, preprocessing_ms=1.0, inference_ms=per_token * 4, postprocessing_ms=1.0, ttft_ms=1.0,
             decode_tokens_per_s=1.0, tokens_per_s=1.0, sensitivity=s, pruning_ratio=0.5 * s, executed_flops=1,
             dense_flops=2, layers_bypassed=bypassed,
-            quality=QualityReport(quality, 10.0, 10.0, 0.0, 4) if self.with_quality else None)
+            quality=QualityReport(reference_agreement=quality, reference_tokens=4, served_nll=1.0)
+            if self.with_quality else None)
         return GenerationResult(text="word " * round(quality * 20), token_ids=[1, 2, 3, 4], stats=stats)
 
 
@@ -77,7 +78,7 @@ def test_known_curves_give_the_expected_knees_recommendation_and_blacklist(tmp_p
     assert report.recommended_sensitivity == 0.43 and report.margin == 0.07
     assert [(t.layer, round(t.quality_gain, 6)) for t in report.blacklist_trials] == [(3, 0.0), (5, 0.05)]
     assert report.recommended_blacklist == [5]
-    assert report.quality_source.startswith("token agreement with the dense model")
+    assert report.quality_source.startswith("reference-scored agreement of the served answer")
     twice = tune(CurveTarget(), ProbeSet(PROBES.probes[:2], "t"), TuneSettings(sensitivities=GRID, repeats=2))
     assert [p.probes for p in twice.points] == [4] * 11  # two passes of two probes per point
     assert (twice.knee, twice.recommended_sensitivity) == (0.5, 0.43)
