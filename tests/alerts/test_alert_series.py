@@ -8,7 +8,7 @@ from datetime import timedelta
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from prunewatch.alerts._series import GAUGES, NAME, StoreSeries, counter_names
+from prunewatch.alerts._series import GAUGES, NAME, WINDOW_GAUGES, StoreSeries, counter_names
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.results import FAILURE_REASONS, ProbeResult
 from prunewatch.records.store import ResultRepository, connect
@@ -34,7 +34,7 @@ def derived(results: list[ProbeResult]) -> dict[tuple, float]:
     series = StoreSeries(results)
     out = {}
     end = max(r.created_at for r in results).timestamp()
-    for metric in GAUGES:
+    for metric in (*GAUGES, *WINDOW_GAUGES):
         for s in series.gauges(metric):
             out[(metric, tuple(kv for kv in s.labels if kv[0] != NAME))] = s.values[-1]
     for metric in counter_names():
