@@ -17,7 +17,7 @@ from prunewatch.engine.pruning_engine import TokenDelta
 from prunewatch.engine.quality import teacher_forced_logits
 from prunewatch.engine.stats import GenerationResult
 
-PROMPT = "The routing table lists every network the router can reach, and"
+PROMPT = "The router forwards packets to the next hop listed in the routing table, and"  # in the tech domain
 UNICODE = "Crème brûlée — 日本語 🎉: the routing table"
 TOKENS = 8
 TOP = 3
