@@ -49,8 +49,9 @@ def test_frontier_bench_structure(tmp_path, probe_model_dir, calibration_dir):
 
 
 def test_check_reads_the_curves_as_envelopes():
-    def row(name, curve, ratio, agreement, allocation="uniform", sparsity=0.3):
+    def row(name, curve, ratio, agreement, allocation="uniform", sparsity=0.3, half_width=0.01):
         return {"name": name, "curve": curve, "decode_pruning_ratio": ratio, "agreement": agreement,
+                "agreement_low": agreement - half_width, "agreement_high": agreement + half_width,
                 "allocation": allocation, "score": "magnitude", "influence_budget": 0.0, "head_budget": 0.0,
                 "activation_sparsity_budget": sparsity}
 
@@ -61,8 +62,16 @@ def test_check_reads_the_curves_as_envelopes():
     verdict = check(teal + ours)
     assert verdict["dominates"] and verdict["doubles_from_0_95"] and verdict["met"]
     assert verdict["default_point"]["times_teal"] == 2.4
+    # t1 (0.05) pairs with g1 (0.11), t2 (0.10) with g1 too: intervals overlap for t1, separate for t2.
+    assert [(p["teal"], p["ours"], p["claim"]) for p in verdict["pairs"]] == [
+        ("t1", "g1", "no difference claimed"), ("t2", "g1", "ours better")]
+    assert (verdict["ours_better"], verdict["ours_worse"]) == (1, 0)
     worse = check(teal + [row("d", "engine default", 0.06, 0.96, "greedy")])
     assert worse["dominates"] is False and worse["met"] is False  # at 0.90-0.93 TEAL reaches 0.10
+    # Dominating estimates with a separated loss at a matched ratio is not met either.
+    lossy = check(teal + [row("d", "engine default", 0.12, 0.96, "greedy"),
+                          row("g", "greedy", 0.06, 0.93, "greedy", half_width=0.005)])
+    assert lossy["pairs"][0]["claim"] == "ours worse" and lossy["met"] is False
 
 
 def test_the_default_curve_is_the_defaults_mechanism_only():
@@ -70,6 +79,7 @@ def test_the_default_curve_is_the_defaults_mechanism_only():
     lift the default's curve; a head-only point of the default's mechanism does."""
     def row(name, curve, ratio, agreement, sparsity, head):
         return {"name": name, "curve": curve, "decode_pruning_ratio": ratio, "agreement": agreement,
+                "agreement_low": agreement - 0.01, "agreement_high": agreement + 0.01,
                 "allocation": "greedy", "score": "magnitude", "influence_budget": 0.0, "head_budget": 0.0,
                 "activation_sparsity_budget": sparsity, "output_head_sparsity_budget": head}
 
