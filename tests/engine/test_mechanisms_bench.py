@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from prunewatch.bench.mechanisms import DENSE, Mechanisms, format_table, run
+from prunewatch.bench.mechanisms import DENSE, QUALITY_TARGET, Mechanisms, format_table, run
 
 
 def test_mechanisms_bench_measures_each_mechanism_against_dense(tmp_path, probe_model_dir, calibration_dir):
@@ -20,7 +20,8 @@ def test_mechanisms_bench_measures_each_mechanism_against_dense(tmp_path, probe_
     assert json.loads(out.read_text()) == result
     rows = {r["name"]: r for r in result["rows"]}
     dense = rows["dense"]
-    assert (dense["pruning_ratio"], dense["agreement"], dense["perplexity_delta_pct"], dense["speedup"]) == (0.0, 1.0, 0.0, 1.0)
+    assert (dense["pruning_ratio"], dense["agreement"], dense["speedup"], dense["changed_answers"]) == (0.0, 1.0, 1.0, 0)
+    assert dense["agreement_low"] <= 1.0 == dense["agreement_high"] and dense["prompts"] == 2
     assert (dense["decode_pruning_ratio"], dense["heldout_perplexity_delta_pct"]) == (0.0, 0.0)
     bypass, heads, sparsity = rows["bypass"], rows["heads"], rows["sparsity"]
     assert bypass["layers_bypassed"] > 0 and bypass["heads_gated"] == 0 and bypass["activation_sparsity"] == 0
@@ -28,8 +29,11 @@ def test_mechanisms_bench_measures_each_mechanism_against_dense(tmp_path, probe_
     assert sparsity["activation_sparsity"] > 0 and sparsity["layers_bypassed"] == sparsity["heads_gated"] == 0
     for row in (bypass, heads, sparsity):
         assert 0.0 < row["pruning_ratio_min"] <= row["pruning_ratio"] <= row["pruning_ratio_max"] < 1.0
-        assert row["agreement_min"] <= row["agreement"] <= 1.0 and row["requests"] == 2
-        assert row["meets_quality"] == (row["heldout_perplexity_delta_pct"] <= 2.0 and row["agreement"] >= 0.95)
+        assert row["agreement_min"] <= row["agreement_low"] <= row["agreement"] <= row["agreement_high"] <= 1.0
+        assert row["requests"] == row["prompts"] == 2 and row["tokens"] > 0 and row["served_nll"] > 0
+        assert row["meets_quality"] == (row["heldout_perplexity_delta_pct"] <= QUALITY_TARGET["perplexity_delta_pct"]
+                                        and row["agreement"] >= QUALITY_TARGET["agreement"]
+                                        and row["agreement_low"] >= QUALITY_TARGET["agreement_low"])
         phases = (row["prefill_pruning_ratio"], row["decode_pruning_ratio"])  # per request, the whole ratio lies
         assert min(phases) - 1e-3 <= row["pruning_ratio"] <= max(phases) + 1e-3  # between them (FLOP-weighted)
     assert sparsity["prefill_pruning_ratio"] == 0.0 < sparsity["decode_pruning_ratio"]  # long prefills run dense
