@@ -272,7 +272,7 @@ def test_every_promql_target_returns_finite_data(live, dashboards):
             if not _finite_values(result):
                 empty.append(f"{query.label}: {result}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
-    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 32
+    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 42
 
 
 def test_every_sql_target_returns_rows(live, dashboards):
@@ -294,7 +294,7 @@ def test_every_sql_target_returns_rows(live, dashboards):
     finally:
         engine.dispose()
     assert not empty, "SQL panels without rows:\n" + "\n".join(empty)
-    assert checked == 13
+    assert checked == 15
 
 
 # -- figures against independent computation -------------------------------------------------------
