@@ -17,9 +17,9 @@ from tests.conftest import calibration_inputs
 
 pytestmark = pytest.mark.slow
 
-# The first probe of two domains; every canonical probe runs in bench/results/mechanisms-*.json.
-QUALITY_PROBES = ("legal-10k-misstatement", "tech-decode-bandwidth")
-AGREEMENT_FLOOR = 0.95  # mean teacher-forced agreement the defaults keep (README "Defaults")
+# The collector's six default probes (evaluation prompts, never calibrated on); every evaluation prompt runs in
+# bench/results/mechanisms-smollm2-cpu.json, where the default keeps 0.977 [0.971, 0.982] over 63 of them.
+AGREEMENT_FLOOR = 0.95  # pooled reference-scored agreement the governor holds (README "Defaults that keep quality")
 HELDOUT_PPL_CEILING_PCT = 2.0
 
 
@@ -61,19 +61,20 @@ def test_dense_engine_output_equals_plain_transformers_greedy(real_engine, real_
     assert "Paris" in real_engine.loaded.tokenizer.decode(engine_tokens)
 
 
-def test_defaults_keep_quality_on_two_probes(real_engine):
+def test_defaults_keep_quality_on_the_default_probes(real_engine):
     from prunewatch.probes import load_probes
 
-    probes = {p.id: p for p in load_probes().probes}
-    results = [real_engine.generate(probes[i].prompt, system=probes[i].system, max_new_tokens=probes[i].max_tokens,
-                                    quality=True) for i in QUALITY_PROBES]
-    agreements = [r.stats.quality.continuation_agreement for r in results]
-    assert sum(agreements) / len(agreements) >= AGREEMENT_FLOOR, agreements
+    probes = load_probes().probes
+    results = [real_engine.generate(p.prompt, system=p.system or None, max_new_tokens=p.max_tokens, quality="on")
+               for p in probes]
+    tokens = sum(r.stats.quality.reference_tokens for r in results)
+    agreeing = sum(r.stats.quality.reference_agreement * r.stats.quality.reference_tokens for r in results)
+    assert agreeing / tokens >= AGREEMENT_FLOOR, [r.stats.quality.reference_agreement for r in results]
     for result in results:
         stats = result.stats
         assert stats.fallback_reason is None and stats.activation_sparsity > 0  # the defaults really prune
         assert stats.decode_pruning_ratio > stats.prefill_pruning_ratio  # long prefills run dense
-        assert stats.quality_ms > 0 and stats.quality.continuation_tokens == stats.completion_tokens
+        assert stats.quality_ms > 0 and 0 < stats.quality.reference_tokens <= stats.completion_tokens
 
 
 def test_defaults_keep_heldout_perplexity(real_engine):
