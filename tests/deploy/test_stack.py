@@ -89,14 +89,17 @@ def _kill_leftovers(records: list[dict]) -> None:
             pass
 
 
-def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(probe_model_dir, calibration_dir):
+def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(probe_model_dir, calibration_dir,
+                                                                             collected_sqlite):
+    # collected_sqlite ran the default engine with calibration_dir: both engines load that calibration instead
+    # of calibrating at once on two shared cores (the subject here is the stack, not calibration time).
     # Under /tmp and created by `stack up` itself (mode 755): the postgres system user must reach it.
     state_dir = Path(tempfile.gettempdir()) / f"prunewatch-stack-test-{uuid.uuid4().hex[:8]}"
     records: list[dict] = []
     try:
         up = _stack("up", "--state-dir", str(state_dir), "--model", str(probe_model_dir), "--probes", str(PROBES),
                     "--interval", "3", "--baseline-every", "1", "--scrape-interval", "1", "--alert-group-wait", "1",
-                    "--calibration-dir", str(calibration_dir), "--start-timeout", "120", timeout_s=300)
+                    "--calibration-dir", str(calibration_dir), "--start-timeout", "240", timeout_s=420)
         state = json.loads((state_dir / "stack.json").read_text()) if (state_dir / "stack.json").exists() else {}
         records = state.get("services", [])
         assert up.returncode == 0, up.stderr[-3000:]
@@ -151,7 +154,7 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
                 rows = connection.execute(text(
                     "SELECT DISTINCT ON (target, probe_id) target, probe_id, model, sensitivity, pruning_ratio, "
                     "prefill_pruning_ratio, decode_pruning_ratio, ratio_source, layers_total, executed_flops, "
-                    "dense_flops, completion_tokens, output_text, continuation_agreement, perplexity_delta_pct, quality_ms "
+                    "dense_flops, completion_tokens, output_text, reference_agreement, reference_tokens, served_nll, quality_ms "
                     "FROM probe_results WHERE status = 'ok' AND NOT baseline ORDER BY target, probe_id, created_at")
                 ).mappings().all()
             found = {(r["target"], r["probe_id"]): dict(r) for r in rows}
@@ -161,8 +164,8 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             results = _poll("an ok result of each probe from each engine in PostgreSQL", first_results)
             with engine.connect() as connection:  # quality over HTTP: every ok row, not only the first ones
                 unscored = connection.execute(text(
-                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline AND (continuation_agreement "
-                    "IS NULL OR perplexity_delta_pct IS NULL OR quality_ms IS NULL)")).scalar_one()
+                    "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline AND (reference_agreement "
+                    "IS NULL OR served_nll IS NULL OR quality_ms IS NULL)")).scalar_one()
                 scored = connection.execute(text(
                     "SELECT count(*) FROM probe_results WHERE status = 'ok' AND NOT baseline")).scalar_one()
         finally:
@@ -175,7 +178,9 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
             assert 0.0 < row["pruning_ratio"] < 1.0
             assert row["pruning_ratio"] == pytest.approx(1 - row["executed_flops"] / row["dense_flops"], abs=1e-6)
             assert 1 <= row["completion_tokens"] <= 8
-            assert 0.0 <= row["continuation_agreement"] <= 1.0 and row["quality_ms"] > 0.0
+            # The served answer, scored against the dense model (reference-scored agreement and its NLL).
+            assert 0.0 <= row["reference_agreement"] <= 1.0 and row["quality_ms"] > 0.0 and row["served_nll"] >= 0.0
+            assert 1 <= row["reference_tokens"] <= row["completion_tokens"]
             assert 0.0 <= row["prefill_pruning_ratio"] <= 1.0 and 0.0 <= row["decode_pruning_ratio"] <= 1.0
         for probe_id in probe_ids:  # same model, calibration and greedy decoding: the engines agree exactly
             a, b = results[("engine-a", probe_id)], results[("engine-b", probe_id)]
@@ -193,18 +198,20 @@ def test_stack_up_probes_both_engines_into_postgres_and_prometheus_then_down(pro
 
         assert _poll("pruned and dense latency series of both engines", pruned_and_dense, timeout_s=90)
 
-        # The dashboards' agreement panels read data: the recorded series the overview plots and the
-        # worst-probe stat, expanded as Grafana would with every model and domain selected.
+        # The dashboards' quality panels read data: the windowed reference-scored agreement, its interval's low
+        # bound and the prompts behind it, expanded as Grafana would with every model and domain selected.
         from prunewatch.dashboards import promql as dashboard_promql
 
         def agreement_series() -> dict | None:
             found = {query: _promql(prometheus, query.replace("$model", ".*").replace("$domain", ".*"))
-                     for query in (dashboard_promql.continuation_agreement_by_domain(), dashboard_promql.TOKEN_AGREEMENT_WORST)}
+                     for query in (dashboard_promql.reference_agreement("estimate"),
+                                   dashboard_promql.reference_agreement("low"), dashboard_promql.reference_agreement_prompts())}
             return found if all(found.values()) else None
 
         agreement = _poll("the dashboards' agreement queries return data", agreement_series, timeout_s=90)
-        for series in agreement.values():
-            assert all(0.0 <= float(s["value"][1]) <= 1.0 for s in series)
+        estimate, low, prompts = agreement.values()
+        assert all(0.0 <= float(s["value"][1]) <= 1.0 for s in estimate + low)
+        assert all(float(s["value"][1]) >= 1 for s in prompts)
 
         # Prometheus -> Alertmanager -> "Slack": ProbeDataAbsent fired before the first probe result
         # and was routed to the critical channel's webhook.
