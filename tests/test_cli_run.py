@@ -315,10 +315,11 @@ def _open_round(db: Path) -> tuple[str, int] | None:
 def test_run_killed_mid_round_is_closed_as_aborted_at_the_next_start(tmp_path, probe_model_dir):
     """kill -9 in the middle of a round; the next `prunewatch run` closes it as aborted with what it stored."""
     db = tmp_path / "run.db"
-    # Aborted rounds are the subject: no operating range first (test_two_rounds_... measures and caches one).
+    # Aborted rounds are the subject: no operating range first and no dense baselines (test_two_rounds_... has
+    # both), so a complete round is the six probes.
     env = {**os.environ, "HOME": str(tmp_path), "PRUNEWATCH_OPERATING_RANGE": "false"}
     args = ["run", "--interval", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", "--model",
-            str(probe_model_dir), "--device", "cpu"]
+            str(probe_model_dir), "--device", "cpu", "--baseline-every", "0"]
     with (tmp_path / "first.log").open("w") as log:
         first = subprocess.Popen([*PRUNEWATCH, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
         killed = None
