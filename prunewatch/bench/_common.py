@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,3 +51,14 @@ def synchronize(device: torch.device) -> None:
         import torch
 
         torch.cuda.synchronize(device)
+
+
+def invocation(bench: str, argv: list[str] | None = None) -> str:
+    """The command that reproduces this run, as `prunewatch bench <bench> ...` with its arguments quoted.
+
+    Reached as `prunewatch bench <bench>` the process's argv starts with "bench <bench>"; as
+    `python -m prunewatch.bench.<bench>` it does not; either way the recorded command names the CLI once."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:2] == ["bench", bench]:
+        args = args[2:]
+    return shlex.join(["prunewatch", "bench", bench, *args])

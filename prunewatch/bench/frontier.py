@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -44,6 +43,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from prunewatch.bench._common import invocation
 from prunewatch.bench.mechanisms import (
     DENSE,
     PROBE_MODEL,
@@ -238,7 +238,7 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
     result = {
         "device": "cpu",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "prunewatch bench frontier " + " ".join(sys.argv[1:]),
+        "command": invocation("frontier"),
         "duration_s": round(time.time() - started, 1),
         "model": {"name": some.name, "fingerprint": some.loaded.fingerprint, "layers": some.num_layers},
         "max_new_tokens": max_new_tokens,

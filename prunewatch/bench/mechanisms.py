@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from prunewatch.bench._common import RESULTS_DIR
+from prunewatch.bench._common import RESULTS_DIR, invocation
 from prunewatch.engine.model_store import PROBE_MODEL_DIR
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.quality import heldout_perplexity_delta
@@ -270,7 +270,7 @@ def run(grid: tuple[Mechanisms, ...], out: Path, plot: Path | None, *, model_dir
     result = {
         "device": "cpu",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python -m prunewatch.bench.mechanisms " + " ".join(sys.argv[1:]),
+        "command": invocation("mechanisms"),
         "duration_s": round(time.time() - started, 1),
         "model": {"name": engine.name, "fingerprint": engine.loaded.fingerprint,
                   "layers": engine.num_layers, "heads": engine.head_gating.shape.heads if engine.head_gating else None},
