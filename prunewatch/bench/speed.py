@@ -171,12 +171,6 @@ class BandwidthReader:
         return max(self._timed(self.buffer.sum), self._timed(lambda: torch.mv(self.matrix, self.vector)))
 
 
-def read_bandwidth(mib: int = 1024, reps: int = 5, device: str = "cpu") -> list[float]:
-    """GB/s of `reps` reads of a `mib` MiB buffer (see BandwidthReader)."""
-    reader = BandwidthReader(mib, device)
-    return [reader.sample() for _ in range(reps)]
-
-
 # -- plain transformers ---------------------------------------------------------------------------
 
 

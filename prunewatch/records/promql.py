@@ -23,22 +23,6 @@ PROMQL_FAILURE_RATE = (
 )
 
 
-# -- live traffic (prunewatch/server/metrics.py) ----------------------------------------------------------
-# Traffic-weighted pruning ratio over live requests: the share of dense linear FLOPs skipped.
-# The ratio gauge holds the last request only; this is the figure to chart and alert on for traffic.
-PROMQL_LIVE_RATIO_5M = (
-    "1 - sum by (model, domain) (rate(prunewatch_executed_flops_total[5m]))"
-    " / clamp_min(sum by (model, domain) (rate(prunewatch_dense_flops_total[5m])), 1e-9)"
-)
-PROMQL_ERROR_RATE_5M = (
-    'sum by (model, endpoint) (rate(prunewatch_requests_total{status=~"5.."}[5m]))'
-    " / clamp_min(sum by (model, endpoint) (rate(prunewatch_requests_total[5m])), 1e-9)"
-)
-PROMQL_REQUEST_P99_5M = (
-    "histogram_quantile(0.99, sum by (le, model, endpoint) (rate(prunewatch_request_duration_seconds_bucket[5m])))"
-)
-
-
 # -- quality of what was served (records/metrics.py: window gauges, per-probe reference agreement) ------
 # The primary quality figure: reference-scored agreement of the served answers, pooled over the prompts a
 # target answered at its current sensitivity in its last rounds, with a 95% interval bootstrapped over prompts.

@@ -149,10 +149,3 @@ def install_shortlist_head(model: nn.Module, max_kernel_rows: int = 16, kernel_t
     wrapper = ShortlistHead(head, max_kernel_rows=max_kernel_rows, kernel_threads=kernel_threads)
     model.set_output_embeddings(wrapper)
     return wrapper
-
-
-def uninstall_shortlist_head(model: nn.Module) -> None:
-    """Put the plain output head back."""
-    head = model.get_output_embeddings()
-    if isinstance(head, ShortlistHead):
-        model.set_output_embeddings(head.linear)
