@@ -186,3 +186,15 @@ def test_parts_of_one_level_do_not_import_each_other_both_ways():
     for module, deps in graph.items():
         parts[part_of(module)].update(part_of(dep) for dep in deps if part_of(dep) != part_of(module))
     assert cycles(parts) == []
+
+
+def test_the_readers_of_records_do_not_import_each_other():
+    """The ROI app and the dashboards each read records; what they share (the placeholder prices, PromQL, metric
+    names) lives in records, so neither depends on the other. The dashboards draw the alert rules' thresholds,
+    so they read the rule set (prunewatch.alerts) and nothing else of another reader."""
+    graph = import_graph(project_modules())
+    readers, allowed = ("alerts", "dashboards", "roi"), {("dashboards", "alerts")}
+    crossing = sorted(f"{module} -> {dep}" for module, deps in graph.items() for dep in deps
+                      if part_of(module) in readers and part_of(dep) in readers and part_of(dep) != part_of(module)
+                      and (part_of(module), part_of(dep)) not in allowed)
+    assert crossing == []

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prunewatch.roi.assumptions import Assumptions
-
-_PRICES = Assumptions.model_fields  # one set of placeholder prices for the ROI app, report and dashboards
+from prunewatch.records.prices import PLACEHOLDER_GPU_USD_PER_HOUR, PLACEHOLDER_OUTPUT_USD_PER_MTOK
 
 UID_PATTERN = r"^[A-Za-z0-9_-]{1,40}$"  # Grafana uids: at most 40 characters
 
@@ -29,12 +27,13 @@ class DashboardSettings(BaseModel):
         "prunewatch-postgres", pattern=UID_PATTERN,
         description="uid of the PostgreSQL datasource holding the collector's probe_results table.")
     usd_per_million_tokens: float = Field(
-        _PRICES["output_usd_per_mtok"].default, ge=0.0, le=10_000.0,
+        PLACEHOLDER_OUTPUT_USD_PER_MTOK, ge=0.0, le=10_000.0,
         description="Configured price of 1M generated tokens (list price or internal charge-back rate); the "
-                    "default is the ROI calculator's placeholder output-token price: replace it with yours.")
+                    "default is the placeholder output-token price the ROI calculator also starts from "
+                    "(prunewatch/records/prices.py): replace it with yours.")
     gpu_usd_per_hour: float = Field(
-        _PRICES["gpu_hourly_usd"].default, ge=0.0, le=10_000.0,
+        PLACEHOLDER_GPU_USD_PER_HOUR, ge=0.0, le=10_000.0,
         description="Configured cost of one GPU hour (cloud on-demand price or amortised hardware); the default "
-                    "is the ROI calculator's placeholder GPU price: replace it with yours.")
+                    "is the placeholder GPU price the ROI calculator also starts from: replace it with yours.")
     refresh: str = Field("30s", pattern=r"^[1-9][0-9]*[smh]$", description="Dashboard auto-refresh interval.")
     time_from: str = Field("now-6h", pattern=r"^now-[1-9][0-9]*[mhdw]$", description="Default time range start.")

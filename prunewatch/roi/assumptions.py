@@ -12,6 +12,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from prunewatch.records.prices import (
+    PLACEHOLDER_GPU_USD_PER_HOUR,
+    PLACEHOLDER_INPUT_USD_PER_MTOK,
+    PLACEHOLDER_OUTPUT_USD_PER_MTOK,
+)
 from prunewatch.roi.errors import RoiError
 from prunewatch.roi.provenance import Provenance
 
@@ -27,12 +32,12 @@ class Assumptions(BaseModel):
 
     # Every default below is a placeholder, not a measurement or a quoted price: the app and the report
     # label it "assumed default" until the user enters a value; the dashboards' cost panels start from
-    # the same prices (prunewatch/dashboards/settings.py).
+    # the same prices (prunewatch/records/prices.py).
     requests_per_day: float = Field(
         50_000.0, ge=0.0, le=1e10, json_schema_extra=_meta("Request volume", "requests/day"),
         description="Production requests per day the GPUs serve (placeholder; enter your traffic).")
     gpu_hourly_usd: float = Field(
-        0.91, gt=0.0, le=1_000.0, json_schema_extra=_meta("GPU price", "$/GPU-hour"),
+        PLACEHOLDER_GPU_USD_PER_HOUR, gt=0.0, le=1_000.0, json_schema_extra=_meta("GPU price", "$/GPU-hour"),
         description="Price of one GPU hour (placeholder of the order of a small cloud GPU's hourly rental; "
                     "enter yours).")
     gpu_utilisation: float = Field(
@@ -42,10 +47,11 @@ class Assumptions(BaseModel):
         400.0, ge=0.0, le=1e7, json_schema_extra=_meta("Cost per failed request", "$/incident"),
         description="Support cost of one failed request (5xx or timeout) that becomes an incident (placeholder).")
     input_usd_per_mtok: float = Field(
-        0.50, ge=0.0, le=1_000.0, json_schema_extra=_meta("Input token price", "$/1M tokens"),
+        PLACEHOLDER_INPUT_USD_PER_MTOK, ge=0.0, le=1_000.0, json_schema_extra=_meta("Input token price", "$/1M tokens"),
         description="Price of input (prompt) tokens: an API list price or your internal charge-back (placeholder).")
     output_usd_per_mtok: float = Field(
-        1.50, ge=0.0, le=1_000.0, json_schema_extra=_meta("Output token price", "$/1M tokens"),
+        PLACEHOLDER_OUTPUT_USD_PER_MTOK, ge=0.0, le=1_000.0,
+        json_schema_extra=_meta("Output token price", "$/1M tokens"),
         description="Price of output (completion) tokens, priced separately from input tokens (placeholder).")
     prunable_time_share: float = Field(
         0.80, ge=0.0, le=1.0, json_schema_extra=_meta("Prunable share of inference time", "fraction"),
