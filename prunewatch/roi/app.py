@@ -37,7 +37,7 @@ from prunewatch.roi.measured import (
 )
 from prunewatch.roi.settings import WINDOW_CHOICES_DAYS, RoiAppSettings
 from prunewatch.roi.store import load_results
-from prunewatch.roi.tables import cost_rows, headlines, input_rows, quality_rows, to_csv
+from prunewatch.roi.tables import basis_text, cost_rows, headlines, input_rows, quality_rows, to_csv
 
 ALL_TARGETS = "All targets"
 ALL_MODELS = "All models"
@@ -197,9 +197,9 @@ def main() -> None:
         return
 
     st.subheader(f"Headline ({basis.value} basis)")
-    for column, headline in zip(st.columns(5), headlines(result, basis)):
+    for column, headline in zip(st.columns(5), headlines(result, basis, summary)):
         column.metric(headline.label, headline.value, help=headline.help)
-    st.info(f"{result.inputs.describe_basis()} Cost basis — {basis.value}: {basis.description}.")
+    st.info(f"{basis_text(summary, result)} Cost basis — {basis.value}: {basis.description}.")
     if summary.uses_probe_model:
         st.caption(PROBE_MODEL_CAVEAT)
     show_measured(summary)

@@ -92,7 +92,9 @@ def _assumed(assumptions: Assumptions, name: str, note: str = "") -> InputValue:
 
 
 def _measured_or_override(assumptions: Assumptions, name: str, measured: float | None, measured_note: str,
-                          missing: str) -> InputValue:
+                          missing: str, time_noun: str | None = None) -> InputValue:
+    """The user's value where entered, else the store's. `time_noun`: what a measured time is ("CPU time" for
+    probes that ran on a CPU), which replaces the label's "GPU time"; an entered one keeps it."""
     override = getattr(assumptions, name)
     if override is not None:
         return InputValue(key=name, label=Assumptions.label(name), value=float(override),
@@ -100,7 +102,10 @@ def _measured_or_override(assumptions: Assumptions, name: str, measured: float |
                           note=f"overrides the measured value ({_plain(measured)})")
     if measured is None:
         raise NoMeasurementsError(missing)
-    return InputValue(key=name, label=Assumptions.label(name), value=float(measured), unit=Assumptions.unit(name),
+    label = Assumptions.label(name)
+    if time_noun is not None and label.startswith("GPU time"):
+        label = time_noun + label.removeprefix("GPU time")
+    return InputValue(key=name, label=label, value=float(measured), unit=Assumptions.unit(name),
                       provenance=Provenance.MEASURED, note=measured_note)
 
 
@@ -163,7 +168,8 @@ def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> Resolv
             note=f"pruned / dense inference time, mean over {summary.matched_probes} probes run in both configurations")
         values["dense_inference_s"] = _measured_or_override(
             assumptions, "dense_inference_s", summary.matched_dense_ms / 1000.0,  # type: ignore[operator]
-            f"dense-baseline inference time on the {summary.matched_probes} matched probes", "")
+            f"dense-baseline inference time on the {summary.matched_probes} matched probes, {summary.measured_on}", "",
+            time_noun=summary.time_noun)
     else:
         if summary.mean_pruning_ratio is None:
             raise NoMeasurementsError(

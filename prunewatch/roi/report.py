@@ -7,7 +7,6 @@ the HTML variant cannot drift apart, and every figure comes from the same functi
 from __future__ import annotations
 
 import html
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,8 +27,15 @@ from prunewatch.roi.measured import (
     select,
     trend,
 )
-from prunewatch.roi.provenance import Provenance
-from prunewatch.roi.tables import cost_rows, headlines, input_rows, quality_kept_text, quality_rows
+from prunewatch.roi.tables import (
+    basis_text,
+    cost_rows,
+    headlines,
+    in_measured_words,
+    input_rows,
+    quality_kept_text,
+    quality_rows,
+)
 
 REPORT_DAYS = (30, 60, 90)
 PRIMARY_BASIS = Basis.ALLOCATION  # the honest basis for a CFO comparing with an API price
@@ -135,7 +141,7 @@ def _summary_blocks(summary: MeasuredSummary, result: RoiResult, assumptions: As
              f"{summary.results_failed} failed. Pruning skipped {_e(ratio)} of the work per request on average "
              f"(measured, {_e(summary.ratio_unit or 'no unit')}), and the pruned output kept {_e(agreement)} "
              f"(measured){_e(_pass_rates(summary))}. {_e(_where_timed(summary))}"),
-        Para(f"<b>Before and after.</b> {_e(_basis_text(summary, result))}"),
+        Para(f"<b>Before and after.</b> {_e(basis_text(summary, result))}"),
     ]
     if summary.uses_probe_model:
         blocks.append(Para(f"<i>{_e(PROBE_MODEL_CAVEAT)}</i>", small=True))
@@ -230,27 +236,6 @@ def _trend_blocks(summary: MeasuredSummary, charts: dict[str, bytes], bucket_lab
     ]
 
 
-def _time_words(text: str, summary: MeasuredSummary, provenance: str = Provenance.MEASURED.value) -> str:
-    """A core text ('GPU time after / before', the basis sentence) saying what was really measured.
-
-    The cost model calls every time per request GPU time; a figure read from (or derived from) probes
-    that did not run on a GPU says 'CPU time' (or 'time' when the devices are mixed or unrecorded).
-    User-entered and default figures keep their words.
-    """
-    if summary.measured_on_gpu or provenance not in (Provenance.MEASURED.value, Provenance.ESTIMATED.value):
-        return text
-    noun = summary.time_noun
-    return re.sub(r"GPU time", lambda m: noun if m.start() == 0 or noun != "Time" else "time", text)
-
-
-def _basis_text(summary: MeasuredSummary, result: RoiResult) -> str:
-    """How 'after' relates to 'before', in the words of what the anchor time was measured on."""
-    before = result.inputs.dense_inference_s
-    entered = before is not None and before.provenance is Provenance.USER_ENTERED
-    return _time_words(result.inputs.describe_basis(), summary,
-                       Provenance.USER_ENTERED.value if entered else Provenance.MEASURED.value)
-
-
 def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
     caveat = "" if result.gpu_time.entered else _priced_as_gpu_time(summary)
     blocks: list[Block] = [
@@ -263,7 +248,7 @@ def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
             "Token cost = requests × (input tokens × input price + output tokens × output price); input and "
             "output tokens are priced separately.",
             "Failure cost = requests × failed-request share × cost per failed request.",
-            _e(_basis_text(summary, result)),
+            _e(basis_text(summary, result)),
             "Savings = cost before − cost after; payback = implementation cost / savings per day (no discounting).",
             "Measured figures come from prunewatch probes in the window; probes run one request at a time, so "
             "enter a production GPU time per request when serving batches many requests together.",
@@ -272,7 +257,7 @@ def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
              "through the stated model; <i>assumed-default</i> = the product's default assumption; "
              "<i>user-entered</i> = changed by the user.", small=True),
     ]
-    rows = tuple((_time_words(r["Input"], summary, r["Provenance"]), r["Value"], r["Unit"], r["Provenance"], r["Note"])
+    rows = tuple((in_measured_words(r["Input"], summary, r["Provenance"]), r["Value"], r["Unit"], r["Provenance"], r["Note"])
                  for r in input_rows(result))
     blocks.append(Table(header=("Input", "Value", "Unit", "Provenance", "Note"), rows=rows,
                         widths=(0.19, 0.1, 0.15, 0.18, 0.38),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 
 from pydantic import BaseModel, ConfigDict
 
 from prunewatch.roi.costs import PERIOD_DAYS, Basis, RoiResult
 from prunewatch.roi.formatting import interval_text, number, payback_text, pct, usd
 from prunewatch.roi.measured import MeasuredSummary
+from prunewatch.roi.provenance import Provenance
 
 
 class Headline(BaseModel):
@@ -22,8 +24,30 @@ class Headline(BaseModel):
     help: str
 
 
-def headlines(result: RoiResult, basis: Basis) -> list[Headline]:
-    """The five numbers a CFO reads first, on one cost basis."""
+def in_measured_words(text: str, summary: MeasuredSummary, provenance: str = Provenance.MEASURED.value) -> str:
+    """A core text ('GPU time after / before', the basis sentence) saying what was really measured.
+
+    The cost model calls every time per request GPU time; a figure read from (or derived from) probes
+    that did not run on a GPU says 'CPU time' (or 'time' when the devices are mixed or unrecorded).
+    User-entered and default figures keep their words.
+    """
+    if summary.measured_on_gpu or provenance not in (Provenance.MEASURED.value, Provenance.ESTIMATED.value):
+        return text
+    noun = summary.time_noun
+    return re.sub(r"GPU time", lambda m: noun if m.start() == 0 or noun != "Time" else "time", text)
+
+
+def basis_text(summary: MeasuredSummary, result: RoiResult) -> str:
+    """How 'after' relates to 'before', in the words of what the anchor time was measured on."""
+    before = result.inputs.dense_inference_s
+    entered = before is not None and before.provenance is Provenance.USER_ENTERED
+    return in_measured_words(result.inputs.describe_basis(), summary,
+                       Provenance.USER_ENTERED.value if entered else Provenance.MEASURED.value)
+
+
+def headlines(result: RoiResult, basis: Basis, summary: MeasuredSummary | None = None) -> list[Headline]:
+    """The five numbers a CFO reads first, on one cost basis; with the store's summary, the basis is told in the
+    words of the device the times were measured on (CPU time for probes that ran on a CPU)."""
     costs = result.costs(basis)
     how = (f"Before and after pruning, computed on the {basis.value} basis from measured and assumed inputs "
            f"(see the inputs table).")
@@ -31,7 +55,7 @@ def headlines(result: RoiResult, basis: Basis) -> list[Headline]:
     return [
         Headline(label="Cost before / month", value=usd(costs.before_per("month")), help=how),
         Headline(label="Cost after / month", value=usd(costs.after_per("month")),
-                 help=how + " " + result.inputs.describe_basis()),
+                 help=how + " " + (basis_text(summary, result) if summary else result.inputs.describe_basis())),
         Headline(label="Savings / month", value=usd(costs.savings_per("month")), help=how),
         Headline(label="Savings / year", value=usd(costs.savings_per("year")), help=how),
         Headline(label="Payback", value=payback_text(pay), help=pay.reason),

@@ -52,14 +52,18 @@ def test_default_inputs_show_the_cores_headline_and_provenance(monkeypatch, coll
     metrics = _metrics(app)
     expected = _expected(collected_sqlite, Basis.ALLOCATION)
     assert {label: metrics[label] for label in expected} == expected
-    assert metrics["Probe requests"] == "12" and metrics["Failed"] == "0"
-    assert metrics["Pruned / dense runs"] == "12 / 0"
-    # The collected store has no dense baseline, so "after" is an estimate and the app says so.
-    assert app.info[0].value.startswith("Estimated: no dense baseline was measured")
+    assert metrics["Probe requests"] == "18" and metrics["Failed"] == "0"
+    assert metrics["Pruned / dense runs"] == "12 / 6"  # two rounds, the first with its dense baselines
+    # The collected store has dense baselines, so "after" is measured against them, and in the words of the
+    # device it was measured on: the probes ran on a CPU, so no "GPU time" is claimed.
+    assert app.info[0].value.startswith("Measured: CPU time per request after pruning = before × ")
+    assert "GPU time" not in app.info[0].value
     provenance = _provenance(app)
     assert provenance["Request volume"] == "assumed-default"
-    assert provenance["CPU time per request after pruning"] == "measured"  # the collector ran on a CPU
-    assert provenance["Prunable share of inference time"] == "assumed-default"
+    # Measured on a CPU, and labelled so: the dense baselines' time before pruning and the after/before ratio.
+    assert provenance["CPU time per request before pruning"] == "measured"
+    assert provenance["CPU time after / before"] == "measured"
+    assert not [name for name in provenance if name.startswith("GPU time")]
     assert any(c.value == PROBE_MODEL_CAVEAT for c in app.caption)  # the collector ran the bundled probe model
     assert len(app.get("download_button")) == 2  # CSV of inputs and results, JSON of assumptions
 
@@ -102,7 +106,7 @@ def test_zero_traffic_shows_a_message_instead_of_numbers(monkeypatch, collected_
     assert not app.exception
     assert "request volume is 0 per day" in app.warning[0].value
     assert "Savings / month" not in _metrics(app)
-    assert _metrics(app)["Probe requests"] == "12"  # the measurements are still shown
+    assert _metrics(app)["Probe requests"] == "18"  # the measurements are still shown
 
 
 def test_empty_store_says_no_measurements_yet(monkeypatch, tmp_path) -> None:
