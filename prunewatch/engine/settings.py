@@ -161,7 +161,7 @@ class EngineSettings(BaseSettings):
             "(prunewatch/engine/threads.py), set when that thread starts. Default: the cores torch uses, shared among "
             "the server's workers. Generations never run on the thread that loaded the model, whose OpenMP team is "
             "released first: two teams on two cores make GNU OpenMP sleep and wake its threads at every parallel "
-            "region of every decode step (README, 'Served decode speed')."),
+            "region of every decode step (prunewatch/engine/threads.py says how)."),
     )
     dram_profile: Path | None = Field(
         None,

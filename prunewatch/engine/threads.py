@@ -1,6 +1,6 @@
 """Where generations run: long-lived threads whose OpenMP team is sized once, and one team per generation.
 
-Why (measured, /work/notes/served-speed.md and README "Served decode speed"): torch's CPU kernels run their
+Why: torch's CPU kernels run their
 parallel regions on OpenMP, and torch's bundled GNU OpenMP (libgomp) keeps one team of worker threads per
 thread that ever opened a region. libgomp counts the threads of every team in the process, and while that
 count exceeds the CPUs it stops spin-waiting between regions (100 spins instead of 300,000) and puts every
