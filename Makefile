@@ -38,6 +38,7 @@ run: kernels
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: system-deps kernels lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -6,7 +6,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -100,7 +100,7 @@ def run(
     from prunewatch.records.store import StoreUnavailableError
 
     configure_logging(verbose)
-    flags = dict(db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
+    flags: dict[str, Any] = dict(db_url=db, interval_s=interval, rounds=rounds, metrics_port=metrics_port, metrics_host=metrics_host,
                  sensitivity=sensitivity, device=device, probes_path=probes, activation_sparsity=activation_sparsity,
                  baseline_every=baseline_every)
     try:
@@ -211,11 +211,12 @@ def serve_command(
     from prunewatch.probes import ProbeFileError
     from prunewatch.server import ServeAddressError, bind_listener, serve
 
-    if device not in ("auto", "cpu", "cuda"):
+    devices: dict[str, Literal["auto", "cpu", "cuda"]] = {"auto": "auto", "cpu": "cpu", "cuda": "cuda"}
+    if device not in devices:
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
     try:
         listener = bind_listener(host, port)  # before the model is fetched or loaded: a taken port fails at once
-        serve(model_folder(model), host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
+        serve(model_folder(model), host=host, port=port, sensitivity=sensitivity, device=devices[device], queue_depth=queue_depth,
               workers=workers, probes_path=probes, listener=listener, threads=threads)
     except ValidationError as exc:
         raise fail(first_validation_error(exc))

@@ -160,7 +160,7 @@ def run_embedded(settings: CollectorSettings, console: Console | None = None,
         console.print(f"metrics on http://{settings.metrics_host}:{settings.metrics_port}/metrics")
 
     sql = SqlExporter(db)
-    target = InProcessTarget(engine, name=settings.target_name, sensitivity=settings.sensitivity, quality=False)
+    target: InProcessTarget | GovernedTarget = InProcessTarget(engine, name=settings.target_name, sensitivity=settings.sensitivity, quality=False)
     governing = None
     if governor is not None:  # each domain's probes run at the governed sensitivity, decisions stored in `db`
         governing = Governor({settings.target_name: governor})

@@ -10,7 +10,7 @@ matchers and has the same values for the `equal` labels.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,5 +77,5 @@ def load_inhibit_rules(path: Path) -> list[InhibitRule]:
     return rules
 
 
-def is_muted(alert: Mapping[str, str], firing: list[Mapping[str, str]], rules: list[InhibitRule]) -> bool:
+def is_muted(alert: Mapping[str, str], firing: Sequence[Mapping[str, str]], rules: list[InhibitRule]) -> bool:
     return any(rule.mutes(alert, firing) for rule in rules)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
@@ -47,7 +48,7 @@ class Backoff:
     max_s: float = 30.0
 
     def delay(self, attempt: int) -> float:
-        base = min(self.max_s, self.initial_s * (2 ** min(attempt, 30)))
+        base = min(self.max_s, self.initial_s * (2.0 ** min(attempt, 30)))
         return base * random.uniform(0.8, 1.2)
 
 
@@ -96,7 +97,7 @@ class BufferedStore:
         self.spool.append_many([("result", result_payload(r)) for r in results])
         self._after_append()
 
-    def _append(self, kind: str, payload: dict) -> None:
+    def _append(self, kind: str, payload: dict[str, Any]) -> None:
         self.spool.append(kind, payload)
         self._after_append()
 

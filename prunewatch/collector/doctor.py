@@ -160,6 +160,8 @@ def _metrics_check(url: str, headers: dict[str, str] | None = None, who: str = "
 def diagnose_http(spec: ResolvedTarget, probe_set: ProbeSet, *, transport: httpx.BaseTransport | None = None,
                   collector_metrics_url: str | None = None) -> list[Check]:
     """The target-side checks of an HTTP target (prunewatch engine or baseline)."""
+    if spec.kind == "in_process":
+        raise ValueError(f"target {spec.name} is in_process: it has no HTTP side to diagnose")
     target = HttpTarget(name=spec.name, base_url=spec.base_url or "", model=spec.model or "", kind=spec.kind,
                         api_key=spec.api_key(), timeout_s=min(spec.timeout_s, 30.0), sensitivity=spec.sensitivity,
                         transport=transport)

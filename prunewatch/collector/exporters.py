@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy import Engine
@@ -23,18 +24,27 @@ class Exporter(Protocol):
     def record(self, result: ProbeResult) -> None: ...
 
 
+class RoundExporter(Exporter, Protocol):
+    """An exporter that also records each round's start and end (the store's exporters)."""
+
+    def start_round(self, *, round_id: str, target: str, model: str, started_at: datetime,
+                    probe_set_digest: str) -> None: ...
+
+    def finish_round(self, round_id: str, *, finished_at: datetime, ok: int, failed: int) -> None: ...
+
+
 class SqlExporter:
     """Writes each result in its own transaction: a crash mid-round never leaves half a row."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def start_round(self, *, round_id: str, target: str, model: str, started_at, probe_set_digest: str) -> None:
+    def start_round(self, *, round_id: str, target: str, model: str, started_at: datetime, probe_set_digest: str) -> None:
         with Session(self.engine) as session, session.begin():
             ResultRepository(session).start_round(round_id=round_id, target=target, model=model,
                                                   started_at=started_at, probe_set_digest=probe_set_digest)
 
-    def finish_round(self, round_id: str, *, finished_at, ok: int, failed: int) -> None:
+    def finish_round(self, round_id: str, *, finished_at: datetime, ok: int, failed: int) -> None:
         with Session(self.engine) as session, session.begin():
             ResultRepository(session).finish_round(round_id, finished_at=finished_at, ok=ok, failed=failed)
 

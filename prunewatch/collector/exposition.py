@@ -15,6 +15,7 @@ import gzip
 import threading
 from collections.abc import Hashable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -73,7 +74,7 @@ def start_metrics_server(metrics: CollectorMetrics, host: str,
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args) -> None:  # scrapes are not news
+        def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
             pass
 
     try:

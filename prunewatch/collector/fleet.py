@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,14 +84,14 @@ class FleetSettings(BaseSettings):
             raise ValueError(f"backoff_initial_s ({self.backoff_initial_s}) exceeds backoff_max_s ({self.backoff_max_s})")
         return self
 
-    def __repr_args__(self):  # printing the settings never shows the database password
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:  # printing the settings never shows the database password
         for name, value in super().__repr_args__():
             yield name, (self.store_fingerprint() if name == "db_url" else value)
 
     def store_fingerprint(self) -> str:
         return make_url(self.db_url).render_as_string(hide_password=True)
 
-    def with_file(self, config: CollectorConfig, **explicit) -> FleetSettings:
+    def with_file(self, config: CollectorConfig, **explicit: Any) -> FleetSettings:
         """These settings (from the environment) over the config file's `collector:` section, under the
         flags the user passed explicitly: flag > environment > file > default."""
         section = {k: v for k, v in config.collector.model_dump().items() if v is not None}
@@ -109,7 +109,11 @@ class FleetOutcome:
     buffered: int  # records still on disk at exit (written by the next start)
 
 
-def load_engine_cached(model_dir: Path, device: str, calibration_dir: Path | None, cache: dict) -> Any:
+EngineCache = dict[tuple[str, str], Any]
+"""(model folder, device) -> its loaded PruningEngine (Any: the engine, and torch, are imported only when asked for)."""
+
+
+def load_engine_cached(model_dir: Path, device: str, calibration_dir: Path | None, cache: EngineCache) -> Any:
     """One engine per (model folder, device), calibrated on the calibration set (cached on disk); this thread's
     OpenMP team is released after, as the engine's probes run on its generation thread (prunewatch/engine/threads.py)."""
     from prunewatch.engine import EngineSettings, PruningEngine
@@ -128,19 +132,23 @@ def load_engine_cached(model_dir: Path, device: str, calibration_dir: Path | Non
 
 
 def build_reference(spec: ReferenceSpec, *, calibration_dir: Path | None = None,
-                    engines: dict | None = None) -> Reference:
+                    engines: EngineCache | None = None) -> Reference:
     """The live reference of a `references` entry (a local one loads its model, dense, in this process)."""
     if spec.kind == "local":
+        if spec.model_dir is None:  # ReferenceSpec's validator requires it; said again for the type
+            raise ValueError("a local reference needs model_dir")
         engine = load_engine_cached(spec.model_dir, spec.device, calibration_dir, engines if engines is not None
                                     else {})
         return EngineReference(engine, name=spec.name)
+    if spec.template is None:
+        raise ValueError("a http reference needs template")
     return HttpReference(name=spec.name, base_url=spec.base_url or "", model=spec.model or "",
                          template=ChatTemplate.from_dir(spec.template), api_key=spec.api_key(),
                          timeout_s=spec.timeout_s)
 
 
 def build_target(spec: ResolvedTarget, probe_set: ProbeSet, *, calibration_dir: Path | None = None,
-                 engines: dict | None = None) -> Target:
+                 engines: EngineCache | None = None) -> Target:
     """A live Target for one resolved config entry (loads the engine for in_process targets). An in_process
     target does not check its own quality: its job's reference scores what it served (build_jobs)."""
     if spec.kind == "in_process":
@@ -158,10 +166,10 @@ def build_jobs(config: CollectorConfig, probe_set: ProbeSet, *, calibration_dir:
     """Every configured target (or those named in `only`) with its schedule and probe subset.
 
     `interval_s` (a flag or PRUNEWATCH_INTERVAL_S) replaces every target's interval from the file."""
-    engines: dict = {}
+    engines: EngineCache = {}
     jobs = []
     specs = [config.target(name) for name in only] if only else config.targets
-    governed_settings = {spec.name: spec.governor for spec in specs if getattr(spec, "governor", None) is not None}
+    governed_settings = {spec.name: spec.governor for spec in specs if spec.governor is not None}
     governor = Governor(governed_settings) if governed_settings else None  # one for the process
     references: dict[str, Reference] = {}
     for spec in specs:

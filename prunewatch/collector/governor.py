@@ -32,6 +32,7 @@ sensitivity (`GovernedTarget`), and a `prunewatch` engine gets it for its live t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -436,4 +437,4 @@ def start_governing(governor: Governor, jobs: Iterable[Any], *, registry: Any,
         governor.start(target.name, target.model, job.probe_set.domains, getattr(target.inner, "sensitivity", None))
         if getattr(target.inner, "kind", None) == "prunewatch" and hasattr(target.inner, "request"):
             inner = target.inner
-            governor.pushers[target.name] = lambda policy, inner=inner: push_policy(inner, policy)
+            governor.pushers[target.name] = functools.partial(push_policy, inner)

@@ -178,7 +178,8 @@ def observation_from_body(body: Any, headers: Mapping[str, str], *, configured_m
     heads = stats.get("heads_gated", header_stats.get("heads_gated"))
     fields["heads_gated"] = _int(heads)
     fields["activation_sparsity"] = _float(stats.get("sparsity", header_stats.get("sparsity")))
-    quality = stats.get("quality") if isinstance(stats.get("quality"), dict) else {}
+    reported_quality = stats.get("quality")
+    quality = reported_quality if isinstance(reported_quality, dict) else {}
     body_figures = {"prefill_pruning_ratio": stats.get("prefill_pruning_ratio"),
                     "decode_pruning_ratio": stats.get("decode_pruning_ratio"),
                     **{name: quality.get(name) for name in ("reference_agreement", "served_nll",

@@ -26,7 +26,7 @@ from typing import Any
 from prunewatch.collector.probe_round import run_round
 from prunewatch.collector.reference import Reference
 from prunewatch.probes import EVALUATION_PATH, ProbeSet, load_probes
-from prunewatch.records.intervals import bootstrap_rate, bootstrap_share
+from prunewatch.records.intervals import Interval, bootstrap_rate, bootstrap_share
 from prunewatch.records.metrics import time_per_output_token_s, ttft_per_prompt_token_s
 from prunewatch.records.operating_range import (
     Derivation,
@@ -83,7 +83,7 @@ def evaluation_probes(domains: Sequence[str], path: Path = EVALUATION_PATH) -> P
     return probes.filter(known) if known else probes
 
 
-def _interval(result) -> dict[str, float | int] | None:
+def _interval(result: Interval | None) -> dict[str, float | int] | None:
     return None if result is None else result.to_dict()
 
 

@@ -9,11 +9,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from prunewatch.collector.deadline import DeadlineExceeded, call_with_deadline
-from prunewatch.collector.exporters import Exporter
+from prunewatch.collector.exporters import Exporter, RoundExporter
 from prunewatch.collector.reference import Reference
-from prunewatch.collector.targets import Target, TargetError
+from prunewatch.collector.targets import CancellableTarget, Observation, Target, TargetError, TunableTarget
 from prunewatch.engine import GenerationResult
 from prunewatch.engine.errors import EngineError, InvalidRequestError
 from prunewatch.probes import Probe, ProbeSet
@@ -65,26 +66,34 @@ def _export(exporters: Sequence[Exporter], result: ProbeResult) -> int:
     return errors
 
 
-def _accepts_cancel(target: Target) -> bool:
+def _accepts_cancel(target: Target) -> TypeGuard[CancellableTarget]:
     try:
         return "cancel" in inspect.signature(target.run_probe).parameters
     except (TypeError, ValueError):
         return False
 
 
-def _probe_once(target: Target, probe, timeout_s: float | None):
+def _round_aware(exporter: Exporter) -> TypeGuard[RoundExporter]:
+    return hasattr(exporter, "start_round")
+
+
+def _overridable(target: Target) -> TypeGuard[TunableTarget]:
+    return hasattr(target, "with_overrides")
+
+
+def _probe_once(target: Target, probe: Probe, timeout_s: float | None) -> GenerationResult | Observation:
     """The target's answer to one probe; with a timeout, the probe runs under a deadline."""
     if timeout_s is None:
         return target.run_probe(probe)
-    cooperative = _accepts_cancel(target)
+    cooperative = target if _accepts_cancel(target) else None
 
-    def call(cancel: threading.Event):
-        return target.run_probe(probe, cancel=cancel) if cooperative else target.run_probe(probe)
+    def call(cancel: threading.Event) -> GenerationResult | Observation:
+        return cooperative.run_probe(probe, cancel=cancel) if cooperative is not None else target.run_probe(probe)
 
     return call_with_deadline(call, timeout_s, label=f"probe {probe.id} on {target.name}")
 
 
-def _probe_result(target: Target, probe, round_id: str, timeout_s: float | None
+def _probe_result(target: Target, probe: Probe, round_id: str, timeout_s: float | None
                   ) -> tuple[ProbeResult, threading.Thread | None, list[int] | None]:
     """One probe as a result (a failure is a result too), the worker left running if it timed out, and the served
     token ids when the engine ran in this process (a reference with the same tokenizer scores them as served)."""
@@ -141,7 +150,7 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
     With a `reference`, every served answer (not the baselines) is scored against it before it is exported.
     """
     summary = RoundSummary(round_id=uuid.uuid4().hex, target=target.name)
-    round_aware = [e for e in exporters if hasattr(e, "start_round")]
+    round_aware = [e for e in exporters if _round_aware(e)]
     started = utcnow()
     for exporter in round_aware:
         try:
@@ -152,7 +161,9 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
             logger.exception("could not record the start of round %s", summary.round_id)
     runs = [(target, probe, False) for probe in probe_set.probes]
     if baseline:  # dense on the same engine, no quality check (it would compare dense with itself)
-        dense = target.with_overrides(sensitivity=0.0, quality=False)  # type: ignore[attr-defined]
+        if not _overridable(target):
+            raise TypeError(f"target {target.name} cannot run dense baselines: it has no with_overrides")
+        dense = target.with_overrides(sensitivity=0.0, quality=False)
         runs += [(dense, probe, True) for probe in probe_set.probes]
     for runner, probe, is_baseline in runs:
         if stop is not None and stop.is_set():

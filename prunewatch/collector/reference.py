@@ -161,7 +161,8 @@ class EngineReference(_CachedReference):
         self._own_ids: dict[str, list[int]] = {}
 
     def _prompt_ids(self, probe: Probe) -> list[int]:
-        return self.engine.render_prompt(probe.prompt, probe.system or None)
+        ids: list[int] = self.engine.render_prompt(probe.prompt, probe.system or None)
+        return ids
 
     def _on_engine(self, method: Callable[..., Any], *args: Any) -> Any:
         """Run on the engine's generation thread, where its probes run: a forward pass on the collector's
@@ -172,7 +173,8 @@ class EngineReference(_CachedReference):
     def _generate(self, probe: Probe) -> str:
         ids = self._on_engine(self.engine.reference_answer, self._prompt_ids(probe), probe.max_tokens)
         self._own_ids[probe.content_hash] = ids
-        return self.engine.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+        text: str = self.engine.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
 
     def _own_answer(self, probe: Probe) -> _Scored:
         with self._lock:
@@ -297,7 +299,8 @@ def answer_positions(logprobs: Any, start: int, end: int, name: str) -> _Scored:
                              "on /v1/completions")
     tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
     tops, offsets = logprobs.get("top_logprobs"), logprobs.get("text_offset")
-    if not all(isinstance(x, list) for x in (tokens, values, tops, offsets)) or not (
+    if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(tops, list)
+            and isinstance(offsets, list)) or not (
             len(tokens) == len(values) == len(tops) == len(offsets)):
         raise ReferenceError(f"reference {name}: logprobs need tokens, token_logprobs, top_logprobs and text_offset "
                              "of one length")

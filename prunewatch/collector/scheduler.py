@@ -130,7 +130,12 @@ def run_until_done(scheduler: ProbeScheduler, stop: threading.Event | None = Non
     restore = None
     if threading.current_thread() is threading.main_thread():
         restore = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, lambda *_: scheduler.stop_event.set() or scheduler.done.set())
+
+        def on_sigterm(*_: object) -> None:
+            scheduler.stop_event.set()
+            scheduler.done.set()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         scheduler.start()
         while not scheduler.done.wait(0.2):

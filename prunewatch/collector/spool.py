@@ -66,6 +66,8 @@ class DiskSpool:
         self.max_results = max_results
         self.dropped = 0
         self._lock = threading.Lock()
+        self._depth: int  # records waiting, and the results among them: counted once here, then kept
+        self._results: int
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)

@@ -63,6 +63,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from prunewatch.collector.governor import GovernorSettings
 from prunewatch.engine.model_store import PROBE_MODEL_DIR
@@ -271,7 +272,7 @@ class CollectorConfig(BaseModel):
                                 f"{[t.name for t in self.targets]}")
 
 
-def _where(error: dict[str, Any], document: Any) -> str:
+def _where(error: ErrorDetails, document: Any) -> str:
     loc = list(error.get("loc", ()))
     if len(loc) >= 2 and loc[0] == "targets" and isinstance(loc[1], int):
         index = loc[1]

@@ -8,10 +8,13 @@ engine: a collector that only probes HTTP targets runs without torch.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from prunewatch.engine.stats import GenerationResult
 from prunewatch.probes import Probe
+from prunewatch.records.results import ProbeResult
 
 
 class TargetError(Exception):
@@ -36,7 +39,7 @@ class ProbeCancelledError(TargetError):
 class Observation(Protocol):
     """What a remote target measured; turns itself into the collector's ProbeResult."""
 
-    def to_result(self, *, target: str, probe: Probe, round_id: str, duration_ms: float): ...
+    def to_result(self, *, target: str, probe: Probe, round_id: str, duration_ms: float) -> ProbeResult: ...
 
 
 class Target(Protocol):
@@ -44,3 +47,16 @@ class Target(Protocol):
     model: str
 
     def run_probe(self, probe: Probe) -> GenerationResult | Observation: ...
+
+
+class CancellableTarget(Target, Protocol):
+    """A target whose probe gives up when `cancel` is set, so a timed-out probe stops using the engine."""
+
+    def run_probe(self, probe: Probe, cancel: threading.Event | None = None) -> GenerationResult | Observation: ...
+
+
+class TunableTarget(Target, Protocol):
+    """A target that can be probed at another sensitivity or blacklist (tune sweeps, dense baselines)."""
+
+    def with_overrides(self, *, sensitivity: float | None = None, layer_blacklist: Sequence[int] | None = None,
+                       quality: bool | None = None) -> Target: ...

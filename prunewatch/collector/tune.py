@@ -43,10 +43,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple
 
 from prunewatch.collector.operating_range import engine_configuration, summarise
 from prunewatch.collector.probe_round import run_round
 from prunewatch.collector.reference import Reference
+from prunewatch.collector.targets import TunableTarget
 from prunewatch.probes import ProbeSet
 from prunewatch.records.operating_range import OperatingRange
 from prunewatch.records.results import ProbeResult
@@ -146,6 +148,10 @@ class TuneReport:
         return json.dumps(asdict(self), indent=2) + "\n"
 
 
+Pass = tuple[list[ProbeResult], list[float | None]]
+"""One pass at one sensitivity: its results, and each one's quality (None: failed or not scored)."""
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
@@ -187,15 +193,15 @@ def _summarise(sensitivity: float, results: list[ProbeResult], quality: list[flo
             bypassed[layer] = bypassed.get(layer, 0) + 1
     # Per generated token, so a pruned answer that stops early does not look faster than it is;
     # the median, so one probe slowed by a noisy neighbour does not move the point.
-    latency = [(r.inference_ms if engine_latency else r.duration_ms) / r.completion_tokens
-               for r in ok if r.completion_tokens]
+    per_token = ((r.inference_ms if engine_latency else r.duration_ms, r.completion_tokens) for r in ok)
+    latency = [ms / tokens for ms, tokens in per_token if tokens and ms is not None]
     return SweepPoint(sensitivity=sensitivity, probes=len(results), failed=len(results) - len(ok),
                       pruning_ratio=_mean([r.pruning_ratio for r in ok]),
                       latency_ms=statistics.median(latency) if latency else None,
                       quality=_mean(quality), layers_bypassed=dict(sorted(bypassed.items())))
 
 
-def _merge(sensitivity: float, runs: list[tuple[list[ProbeResult], list]], engine_latency: bool) -> SweepPoint:
+def _merge(sensitivity: float, runs: list[Pass], engine_latency: bool) -> SweepPoint:
     """One point from its passes: ratio and quality over all results, latency the median of the passes."""
     results = [r for rs, _ in runs for r in rs]
     quality = [q for _, qs in runs for q in qs]
@@ -209,7 +215,7 @@ def _merge(sensitivity: float, runs: list[tuple[list[ProbeResult], list]], engin
 class Sweeper:
     """Runs the probes against one target at given sensitivities / blacklists and scores them."""
 
-    def __init__(self, target, probe_set: ProbeSet, settings: TuneSettings,
+    def __init__(self, target: TunableTarget, probe_set: ProbeSet, settings: TuneSettings,
                  progress: Callable[[str], None] | None = None, reference: Reference | None = None) -> None:
         if not hasattr(target, "with_overrides"):
             raise TuneError(f"target {target.name} cannot change its sensitivity per request")
@@ -225,7 +231,7 @@ class Sweeper:
         self.engine_latency = True
         self.raw: dict[float, list[ProbeResult]] = {}  # every result per sensitivity (blacklist trials left out)
 
-    def run(self, sensitivity: float, blacklist: Sequence[int] | None = None) -> tuple[list[ProbeResult], list]:
+    def run(self, sensitivity: float, blacklist: Sequence[int] | None = None) -> Pass:
         target = self.target.with_overrides(sensitivity=sensitivity, layer_blacklist=list(blacklist or []))
         summary = run_round(target, self.probe_set, [], timeout_s=self.settings.probe_timeout_s,
                             reference=self.reference)
@@ -258,7 +264,7 @@ QUALITY_SOURCES = {
 }
 
 
-def tune(target, probe_set: ProbeSet, settings: TuneSettings = TuneSettings(),
+def tune(target: TunableTarget, probe_set: ProbeSet, settings: TuneSettings = TuneSettings(),
          progress: Callable[[str], None] | None = None, reference: Reference | None = None,
          default_sensitivity: float = 0.5) -> TuneReport:
     """Sweep, find the knees, recommend; optionally discover a layer blacklist. With a `reference`, quality is
@@ -269,7 +275,7 @@ def tune(target, probe_set: ProbeSet, settings: TuneSettings = TuneSettings(),
         sweeper.progress("warm-up: one probe, not measured")
         run_round(target.with_overrides(sensitivity=0.0), ProbeSet(probe_set.probes[:1], probe_set.source), [],
                   timeout_s=settings.probe_timeout_s)
-    passes: dict[float, list[tuple[list[ProbeResult], list]]] = {s: [] for s in settings.sensitivities}
+    passes: dict[float, list[Pass]] = {s: [] for s in settings.sensitivities}
     for repeat in range(settings.repeats):
         # Reversed on odd passes; the dense answers that word agreement compares with exist from pass 1 on.
         grid = settings.sensitivities if repeat % 2 == 0 else tuple(reversed(settings.sensitivities))
@@ -287,8 +293,9 @@ def tune(target, probe_set: ProbeSet, settings: TuneSettings = TuneSettings(),
         failed = [p.sensitivity for p in points if p not in usable]
         raise TuneError(f"every probe failed at sensitivity {failed}; run `prunewatch doctor --target {target.name}`")
     xs = [p.sensitivity for p in points]
-    qualities = [p.quality for p in points]
-    gains = [1.0 - p.latency_ms / points[0].latency_ms for p in points]
+    qualities = [p.quality for p in usable if p.quality is not None]  # usable is every point here
+    latencies = [p.latency_ms for p in usable if p.latency_ms is not None]
+    gains = [1.0 - ms / latencies[0] for ms in latencies]
     quality_knee = None
     if max(qualities) - min(qualities) >= settings.min_quality_drop:
         quality_knee = kneedle(xs, qualities, decreasing=True, min_distance=settings.min_knee_distance)
@@ -323,11 +330,20 @@ def _ratio_at(points: Sequence[SweepPoint], sensitivity: float) -> float | None:
     return None
 
 
+class _Measured(NamedTuple):
+    """A sweep point that measured both its ratio and its quality."""
+
+    sensitivity: float
+    pruning_ratio: float
+    quality: float
+
+
 def alert_thresholds(points: Sequence[SweepPoint], recommended: float, settings: TuneSettings) -> AlertThresholds:
     """Thresholds of the ratio alerts for this model from its measured sweep (method: module docstring, 6)."""
     floor = settings.quality_floor
     out = AlertThresholds(quality_floor=floor)
-    measured = [p for p in points if p.pruning_ratio is not None and p.quality is not None]
+    measured = [_Measured(p.sensitivity, p.pruning_ratio, p.quality) for p in points
+                if p.pruning_ratio is not None and p.quality is not None]
     lost = [p for p in measured if p.quality < floor and p.pruning_ratio > 0]
     if lost:
         risk = min(lost, key=lambda p: p.pruning_ratio)
@@ -350,8 +366,8 @@ def alert_thresholds(points: Sequence[SweepPoint], recommended: float, settings:
     at_recommended = _ratio_at(points, recommended)
     if at_recommended is not None and at_recommended > 0:
         low = round(at_recommended * settings.ratio_floor_share, 4)
-        line = out.quality_red_line if out.quality_red_line is not None else settings.configured_red_line
-        if line is None or low < line:
+        red_line = out.quality_red_line if out.quality_red_line is not None else settings.configured_red_line
+        if red_line is None or low < red_line:
             out.ratio_low = low
             out.evidence["ratio_low"] = (f"{settings.ratio_floor_share:g} x the ratio at the recommended sensitivity "
                                          f"{recommended:g} ({at_recommended:.4f}, interpolated between sweep points)")
@@ -365,7 +381,7 @@ def alert_thresholds(points: Sequence[SweepPoint], recommended: float, settings:
     return out
 
 
-def _operating_range(target, sweeper: Sweeper, report: TuneReport, probe_set: ProbeSet,
+def _operating_range(target: TunableTarget, sweeper: Sweeper, report: TuneReport, probe_set: ProbeSet,
                      default_sensitivity: float) -> OperatingRange | None:
     """The range of the sweep's dense and default points, with the sweep's red and risk lines as measured ones."""
     grid = sorted(s for s in sweeper.raw if s > 0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import matplotlib
 
@@ -10,7 +12,49 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
 
-def plot_sweep(report, path: Path) -> Path:
+class _Point(Protocol):
+    """One sweep point as the plot reads it (tune.SweepPoint)."""
+
+    @property
+    def sensitivity(self) -> float: ...
+    @property
+    def pruning_ratio(self) -> float | None: ...
+    @property
+    def latency_ms(self) -> float | None: ...
+    @property
+    def quality(self) -> float | None: ...
+
+
+class _Sweep(Protocol):
+    """What the plot reads of a tune.TuneReport; a protocol, since tune imports this module (no cycle)."""
+
+    @property
+    def target(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def measured_at(self) -> str: ...
+    @property
+    def probes(self) -> int: ...
+    @property
+    def latency_source(self) -> str: ...
+    @property
+    def quality_source(self) -> str: ...
+    @property
+    def points(self) -> Sequence[_Point]: ...
+    @property
+    def quality_knee(self) -> float | None: ...
+    @property
+    def latency_knee(self) -> float | None: ...
+    @property
+    def knee(self) -> float: ...
+    @property
+    def margin(self) -> float: ...
+    @property
+    def recommended_sensitivity(self) -> float: ...
+
+
+def plot_sweep(report: _Sweep, path: Path) -> Path:
     """Two panels sharing the sensitivity axis: efficiency (ratio, latency) above, quality below."""
     xs = [p.sensitivity for p in report.points]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[3, 2])
@@ -25,7 +69,7 @@ def plot_sweep(report, path: Path) -> Path:
     bottom.plot(xs, [p.quality for p in report.points], "o-", color="tab:green", label="quality")
     bottom.set_ylabel("quality (mean)")
     bottom.set_xlabel("sensitivity")
-    bottom.set_ylim(min(0.9, min(p.quality for p in report.points) - 0.02), 1.01)
+    bottom.set_ylim(min(0.9, min(p.quality for p in report.points if p.quality is not None) - 0.02), 1.01)
     recommended = (f"recommended {report.recommended_sensitivity:.2f} "
                    f"(knee {report.knee:.2f} - margin {report.margin:.2f})")
     marks = [(report.quality_knee, "quality knee", "tab:green", ":"),

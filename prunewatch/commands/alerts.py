@@ -86,8 +86,8 @@ def check_command(
         threshold = ("fallback" if labels.get("source") == "fallback" else
                      "measured, on(model)" if "prunewatch_alert_threshold" in rule.expr else "configured")
         table.add_row(rule.name, labels.get("severity", ""), threshold, f"{rule.hold_s:g}s", "evaluated")
-    for rule in rule_file.unsupported:
-        table.add_row(rule.name, "", "", "", f"Prometheus only: {rule.reason}")
+    for unsupported in rule_file.unsupported:
+        table.add_row(unsupported.name, "", "", "", f"Prometheus only: {unsupported.reason}")
     Console(width=160).print(table)
     typer.echo(f"{len(rule_file.alerting)} evaluated, {len(rule_file.unsupported)} Prometheus only, "
                f"{len(inhibit)} inhibit rules from {alertmanager}")

@@ -13,7 +13,7 @@ use it without torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -43,6 +43,12 @@ class Interval:
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, float | int]) -> Interval:
+        """The inverse of `to_dict`, for intervals read back from stored JSON."""
+        return cls(estimate=float(values["estimate"]), low=float(values["low"]), high=float(values["high"]),
+                   prompts=int(values["prompts"]), tokens=int(values["tokens"]))
 
     def __str__(self) -> str:
         return (f"{self.estimate:.3f} [{self.low:.3f}, {self.high:.3f}] "

@@ -299,9 +299,9 @@ class CollectorMetrics:
                 if value is None:
                     continue
                 metric = self.families[family.name].labels(*family.label_values(result))
-                if family.kind == "gauge":
+                if isinstance(metric, Gauge):  # the family's kind decided the class (_build)
                     metric.set(value)
-                elif family.kind == "counter":
+                elif isinstance(metric, Counter):
                     metric.inc(value)
                 else:
                     metric.observe(value)

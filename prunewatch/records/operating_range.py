@@ -144,7 +144,7 @@ class OperatingRange:
         per_prompt = sorted(self.agreement_per_prompt)
         if per_prompt:
             floor = _percentile(per_prompt, d.quality_percentile)
-            interval = Interval(**self.agreement) if self.agreement else None
+            interval = Interval.from_dict(self.agreement) if self.agreement else None
             add("quality_floor", floor,
                 f"{d.quality_percentile:g}th percentile of the per-prompt reference-scored agreement at sensitivity "
                 f"{self.sensitivity:g} (pooled {interval if interval else 'n/a'}), {where}")

@@ -84,11 +84,19 @@ class Assumptions(BaseModel):
 
     @classmethod
     def label(cls, name: str) -> str:
-        return cls.model_fields[name].json_schema_extra["label"]  # type: ignore[index]
+        return cls._extra(name, "label")
 
     @classmethod
     def unit(cls, name: str) -> str:
-        return cls.model_fields[name].json_schema_extra["unit"]  # type: ignore[index]
+        return cls._extra(name, "unit")
+
+    @classmethod
+    def _extra(cls, name: str, key: str) -> str:
+        """A field's label or unit: every field declares both in its json_schema_extra mapping."""
+        extra = cls.model_fields[name].json_schema_extra
+        if not isinstance(extra, dict):
+            raise TypeError(f"assumption {name} declares no {key}")
+        return str(extra[key])
 
     @classmethod
     def from_changes(cls, values: dict[str, Any]) -> Assumptions:

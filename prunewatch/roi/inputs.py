@@ -188,4 +188,4 @@ def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> Resolv
                 key="dense_inference_s", label=Assumptions.label("dense_inference_s"),
                 value=assumptions.dense_inference_s, unit=Assumptions.unit("dense_inference_s"),
                 provenance=Provenance.USER_ENTERED, note=f"overrides the estimate ({estimate:.4g} s)")
-    return ResolvedInputs(time_basis=basis, matched_probes=summary.matched_probes, **values)  # type: ignore[arg-type]
+    return ResolvedInputs(time_basis=basis, matched_probes=summary.matched_probes, **values)

@@ -8,7 +8,7 @@ PRUNEWATCH_STACK_* variables, then to StackSettings' defaults.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -41,7 +41,7 @@ def stack_up_command(
     from prunewatch.stack.lifecycle import StackError, display_rank, stack_up
     from prunewatch.stack.settings import StackSettings
 
-    given = {"state_dir": state_dir, "model_dir": model, "engines": engines, "device": device,
+    given: dict[str, Any] = {"state_dir": state_dir, "model_dir": model, "engines": engines, "device": device,
              "probes_path": probes, "interval_s": interval, "baseline_every": baseline_every,
              "scrape_interval_s": scrape_interval,
              "alert_group_wait_s": alert_group_wait, "calibration_dir": calibration_dir,

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.pool import ConnectionPoolEntry
 
 
 class StoreUnavailableError(RuntimeError):
@@ -42,7 +44,7 @@ def connect(url: str, *, check: bool = True) -> Engine:
         raise StoreUnavailableError(f"invalid database URL {safe_url(url)}: {exc}".splitlines()[0]) from exc
     if engine.dialect.name == "sqlite":
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_connection, _record) -> None:  # durable and concurrent enough
+        def _sqlite_pragmas(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:  # durable and concurrent enough
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA foreign_keys=ON")

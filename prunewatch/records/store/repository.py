@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
+from typing import Any, cast
 
-from sqlalchemy import Insert, func, insert, select, update
+from sqlalchemy import CursorResult, Insert, Table, func, insert, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import ColumnElement
 
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store.models import (
@@ -19,6 +21,9 @@ from prunewatch.records.store.models import (
 )
 
 _RESULT_FIELDS = [f.name for f in dataclasses.fields(ProbeResult)]
+# Declarative types `__table__` as any FromClause; a mapped class with a __tablename__ always has a Table.
+_ROUNDS = cast(Table, RoundRow.__table__)
+_RESULTS = cast(Table, ProbeResultRow.__table__)
 
 
 def _to_result(row: ProbeResultRow) -> ProbeResult:
@@ -37,7 +42,7 @@ class ResultRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def _insert_ignoring_duplicates(self, table, key: str) -> Insert:
+    def _insert_ignoring_duplicates(self, table: Table, key: str) -> Insert:
         """INSERT that skips rows whose primary key exists, in the dialect's own words.
 
         Why: a result written, then retried after a lost acknowledgement (or replayed from the
@@ -61,7 +66,7 @@ class ResultRepository:
         self.start_rounds([dict(round_id=round_id, target=target, model=model, started_at=started_at,
                                 probe_set_digest=probe_set_digest)])
 
-    def start_rounds(self, rounds: Sequence[dict]) -> None:
+    def start_rounds(self, rounds: Sequence[Mapping[str, Any]]) -> None:
         """Insert round rows (round_id, target, model, started_at, probe_set_digest); existing ids are kept.
 
         A target runs one round at a time (the scheduler's max_instances=1), so a round of a target
@@ -73,7 +78,7 @@ class ResultRepository:
         if not rounds:
             return
         if self._supports_upsert():
-            self.session.execute(self._insert_ignoring_duplicates(RoundRow.__table__, "round_id"),
+            self.session.execute(self._insert_ignoring_duplicates(_ROUNDS, "round_id"),
                                  [{**r, "probes_ok": 0, "probes_failed": 0, "status": ROUND_RUNNING} for r in rounds])
         else:
             for r in rounds:
@@ -93,7 +98,7 @@ class ResultRepository:
                                      status=ROUND_COMPLETE))
 
     @staticmethod
-    def _recorded_values() -> dict:
+    def _recorded_values() -> dict[str, ColumnElement[Any]]:
         """A round's counts and end as its stored results tell them (correlated subqueries, one UPDATE)."""
         mine = ProbeResultRow.round_id == RoundRow.round_id
         ok = select(func.count()).where(mine, ProbeResultRow.status == "ok").scalar_subquery()
@@ -112,8 +117,9 @@ class ResultRepository:
             query = query.where(RoundRow.target == target)
         if started_before is not None:
             query = query.where(RoundRow.started_at < started_before)
-        closed = self.session.execute(query.values(status=ROUND_ABORTED, **self._recorded_values())
-                                      .execution_options(synchronize_session=False))
+        # an UPDATE's result is a CursorResult; Session.execute is typed for any statement
+        closed = cast(CursorResult[Any], self.session.execute(
+            query.values(status=ROUND_ABORTED, **self._recorded_values()).execution_options(synchronize_session=False)))
         return int(closed.rowcount or 0)
 
     def _recount_aborted(self, round_ids: Iterable[str]) -> None:
@@ -148,7 +154,7 @@ class ResultRepository:
                                           .where(ProbeResultRow.result_id.in_([v["result_id"] for v in rows]))))
         fresh = list({v["result_id"]: v for v in rows if v["result_id"] not in before}.values())
         if fresh:
-            self.session.execute(self._insert_ignoring_duplicates(ProbeResultRow.__table__, "result_id"), fresh)
+            self.session.execute(self._insert_ignoring_duplicates(_RESULTS, "result_id"), fresh)
             self._recount_aborted(v["round_id"] for v in fresh)
         return len(fresh)
 

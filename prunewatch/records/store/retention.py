@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, delete, exists, func, select
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import InstrumentedAttribute, Session, aliased
+from sqlalchemy.sql import ColumnElement
 
 from prunewatch.records.results import utcnow
 from prunewatch.records.store.database import StoreUnavailableError, reason
@@ -77,7 +78,8 @@ def prune_older_than(engine: Engine, age: timedelta, *, now: datetime | None = N
     return PruneReport(cutoff, results, rounds, False, decisions)
 
 
-def _delete_in_batches(engine: Engine, key, condition, batch_size: int) -> int:
+def _delete_in_batches(engine: Engine, key: InstrumentedAttribute[str] | InstrumentedAttribute[int],
+                       condition: ColumnElement[bool], batch_size: int) -> int:
     table = key.class_
     total = 0
     for _ in range(1_000_000):  # bounded: at most a billion rows at the smallest batch size
