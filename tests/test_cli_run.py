@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from prunewatch.engine.hardware import processor_name
-from tests.support.servers import free_port
+from tests.support.servers import free_port, share_calibration
 
 PRUNEWATCH = [sys.executable, "-m", "prunewatch"]
 
@@ -312,9 +312,11 @@ def _open_round(db: Path) -> tuple[str, int] | None:
 
 
 @pytest.mark.integration
-def test_run_killed_mid_round_is_closed_as_aborted_at_the_next_start(tmp_path, probe_model_dir):
+def test_run_killed_mid_round_is_closed_as_aborted_at_the_next_start(tmp_path, probe_model_dir, calibration_dir,
+                                                                    collected_sqlite):
     """kill -9 in the middle of a round; the next `prunewatch run` closes it as aborted with what it stored."""
     db = tmp_path / "run.db"
+    share_calibration(tmp_path, calibration_dir)  # collected_sqlite calibrated the default engine there
     # Aborted rounds are the subject: no operating range first and no dense baselines (test_two_rounds_... has
     # both), so a complete round is the six probes.
     env = {**os.environ, "HOME": str(tmp_path), "PRUNEWATCH_OPERATING_RANGE": "false"}

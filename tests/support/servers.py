@@ -167,3 +167,12 @@ def prunewatch_serve(model_dir: Path, *, args: tuple[str, ...] = (), env: dict[s
         except subprocess.TimeoutExpired:
             process.kill()
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def share_calibration(home: Path, calibration_dir: Path) -> None:
+    """Point a fresh HOME's calibration cache (~/.cache/prunewatch/calibration) at the session's folder, so a
+    process started there loads what the session already calibrated instead of calibrating again. An operating
+    range is cached in that folder too, so callers that must not share one turn its measurement off."""
+    cache = home / ".cache" / "prunewatch"
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "calibration").symlink_to(calibration_dir, target_is_directory=True)
