@@ -97,6 +97,8 @@ def report_command(
     except OSError as exc:
         raise fail(f"cannot write the report: {exc}")
     costs = data.result.costs(Basis.ALLOCATION)
+    # An entered time per request is a production GPU time; the store's is what its probes ran on.
+    noun = "GPU time" if data.result.gpu_time.entered else data.summary.time_noun.replace("Time", "time")
     typer.echo(f"wrote {out} and {html_path}: savings {usd(costs.savings_per('month'))} per month on the allocation "
-               f"basis ({data.result.inputs.time_basis.value} GPU time after pruning), payback "
+               f"basis ({data.result.inputs.time_basis.value} {noun} after pruning), payback "
                f"{payback_text(data.result.payback(Basis.ALLOCATION))}")

@@ -55,6 +55,7 @@ def test_report_command_writes_pdf_and_html_with_the_cores_numbers(collected_sql
     summary, result = calculate(load_results(collected_sqlite, window), window, Assumptions(**USER_ASSUMPTIONS))
     alloc, usage = result.allocation, result.usage
     assert outcome.output.startswith(f"wrote {pdf} and {html}: savings {usd(alloc.savings_per('month'))} per month")
+    assert "(measured CPU time after pruning)" in outcome.output  # the probes ran on a CPU, and it says so
 
     text = _text(pdf)
     assert "Pruning ROI report, last 60 days" in text
