@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -55,6 +65,27 @@ def _embedded_alerting(settings: CollectorSettings, db, thresholds=()):
     return EmbeddedAlerting(alert_settings, db, thresholds=thresholds)
 
 
+@contextmanager
+def _prompt_progress(console: Console, description: str, total: int) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar (prompts done of `total`, elapsed, time left) while the block runs; it starts with the
+    first prompt done, so a range loaded from its cache prints nothing."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("left"), TimeRemainingColumn())
+    progress = Progress(*columns, console=console, transient=False)
+    task = progress.add_task(description, total=total)
+
+    def advance(done: int, of: int) -> None:
+        if not progress.live.is_started:
+            progress.start()
+        progress.update(task, completed=done, total=of)
+
+    try:
+        yield advance
+    finally:
+        if progress.live.is_started:
+            progress.stop()
+
+
 def _operating_range(settings: CollectorSettings, engine, reference, probe_set, calibration_digest: str, console):
     """The model's healthy operating range (its alert thresholds): cached beside the calibration, else measured
     now on the evaluation prompts of the probed domains at the engine's default configuration. Never fatal: without
@@ -69,14 +100,14 @@ def _operating_range(settings: CollectorSettings, engine, reference, probe_set, 
                       f"prompts, each dense and at sensitivity {default:g} with its reference score (once per model "
                       "and weights)")
     try:
-        with console.status(f"operating range: {len(prompts.probes)} evaluation prompts, dense and at sensitivity "
-                            f"{default:g} (once per model)") as status:
+        with _prompt_progress(console, f"operating range of {engine.name}: evaluation prompts, dense and at "
+                                       f"sensitivity {default:g}", len(prompts.probes)) as advance:
             return load_or_measure(
                 InProcessTarget(engine, name=settings.target_name, quality=False), reference, prompts,
                 directory=engine.calibration_path(calibration_digest).parent, model=engine.name,
                 fingerprint=engine.loaded.fingerprint, sensitivity=default, engine_settings=engine.settings,
                 device=f"{engine.loaded.device.type}: {InProcessTarget(engine).device_name or 'unnamed'}",
-                measure=settings.operating_range, progress=lambda message: status.update(message))
+                measure=settings.operating_range, progress=advance)
     except Exception as exc:  # the run goes on with the rules' fallbacks
         logger.exception("measuring the operating range of %s failed", engine.name)
         return RangeOutcome(None, "none", f"measuring the operating range failed ({type(exc).__name__}: {exc}): the "

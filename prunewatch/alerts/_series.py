@@ -27,13 +27,17 @@ from dataclasses import dataclass, field
 from prometheus_client.utils import floatToGoString
 
 from prunewatch.records.governor_metrics import GOVERNOR_CLAMPS, GOVERNOR_LABELS, GOVERNOR_SETTING
+from prunewatch.records.latency_window import LatencyWindows
 from prunewatch.records.metrics import (
     ALERT_THRESHOLD,
+    LATENCY_PAIRS,
+    LATENCY_VS_DENSE,
     QUALITY_AGREEMENT,
     QUALITY_PROMPTS,
     RESULT_FAMILIES,
     TASK_PASS_RATE,
     ResultFamily,
+    latency_samples,
     window_samples,
 )
 from prunewatch.records.operating_range import Threshold
@@ -130,8 +134,9 @@ COUNTERS: dict[str, ResultFamily] = {f.exposed: f for f in RESULT_FAMILIES if f.
 """Counter families of CollectorMetrics by exposed name (`_total`): the increment each result makes."""
 
 
-WINDOW_GAUGES = (QUALITY_AGREEMENT, QUALITY_PROMPTS, TASK_PASS_RATE)
-"""Gauges of a window of results (records/quality_window.py), replayed in result order."""
+WINDOW_GAUGES = (QUALITY_AGREEMENT, QUALITY_PROMPTS, TASK_PASS_RATE, LATENCY_VS_DENSE, LATENCY_PAIRS)
+"""Gauges of a window of results (records/quality_window.py, records/latency_window.py), replayed in result
+order."""
 
 GOVERNOR_CLAMPS_TOTAL = f"{GOVERNOR_CLAMPS}_total"
 
@@ -184,7 +189,8 @@ class StoreSeries:
         return list(groups.values())  # type: ignore[return-value]
 
     def _windows(self) -> dict[str, list[GaugeSeries]]:
-        """The window gauges, replayed result by result through the collector's own QualityWindows."""
+        """The window gauges, replayed result by result through the collector's own QualityWindows and
+        LatencyWindows."""
         groups: dict[tuple[str, tuple[tuple[str, str], ...]], GaugeSeries] = {}
         windows = QualityWindows()
         for r in self.results:
@@ -195,6 +201,21 @@ class StoreSeries:
                 for bound, value in values.items():
                     key = (family, (("model", r.model), ("domain", r.domain), ("target", r.target))
                            + ((("bound", bound),) if bound else ()))
+                    entry = groups.get(key)
+                    if entry is None:
+                        entry = groups[key] = GaugeSeries(labels_of(**{NAME: family}, **dict(key[1])))
+                    entry.times.append(r.created_at.timestamp())
+                    entry.values.append(float(value))
+        latency = LatencyWindows()
+        for r in self.results:
+            changed = latency.add(r)
+            if changed is None:
+                continue
+            for family, samples in latency_samples(changed).items():
+                for key_values, value in samples.items():
+                    names = ("phase", "bound") if family == LATENCY_VS_DENSE else ("phase",)
+                    key = (family, (("model", r.model), ("domain", r.domain), ("target", r.target))
+                           + tuple(zip(names, key_values)))
                     entry = groups.get(key)
                     if entry is None:
                         entry = groups[key] = GaugeSeries(labels_of(**{NAME: family}, **dict(key[1])))

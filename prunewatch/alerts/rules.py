@@ -18,7 +18,9 @@ from prunewatch.alerts.settings import RuleSettings
 from prunewatch.records.promql import (
     LATENCY_WINDOW,
     PROMQL_BUFFER_DEPTH,
+    PROMQL_DECODE_VS_DENSE_LOW,
     PROMQL_FAILURE_RATE,
+    PROMQL_FIRST_TOKEN_VS_DENSE_LOW,
     PROMQL_LATENCY_P99,
     PROMQL_PASS_RATE,
     PROMQL_QUALITY_ESTIMATE,
@@ -144,8 +146,12 @@ def _window(bound: str) -> str:
     return _query("prunewatch_reference_agreement_window" + _SERIES + f",bound='{bound}'}}", _TMD, "%.3f")
 
 
-def _per_token_ms(metric: str) -> str:
-    return _query(f"1000 * avg(avg_over_time({metric}{_SERIES}}}[{LATENCY_WINDOW}]))", _TMD, "%.2f")
+def _latency_pairs(phase: str) -> str:
+    return _query("prunewatch_latency_vs_dense_pairs" + _SERIES + f",phase='{phase}'}}", _TMD, "%.0f")
+
+
+def _latency(phase: str, bound: str, fmt: str) -> str:
+    return _query("prunewatch_latency_vs_dense_window" + _SERIES + f",phase='{phase}',bound='{bound}'}}", _TMD, fmt)
 
 
 WHERE = "{{ $labels.model }} on {{ $labels.domain }}"
@@ -218,18 +224,21 @@ def alert_specs(settings: RuleSettings) -> list[AlertSpec]:
          f", for {quality_for}: a loss beyond sampling noise."),
         f"{RUNBOOK_TARGET}, then compare the served and reference answers of this domain's probes (the store's "
         "divergence_at says where they part).")
-    for name, figure, kind, what, after in (
-            ("DecodeSlowerThanDense", PROMQL_TPOT_VS_DENSE, "tpot_vs_dense_max", "time per output token",
-             "prunewatch_time_per_output_token_seconds"),
-            ("FirstTokenSlowerThanDense", PROMQL_TTFT_VS_DENSE, "ttft_vs_dense_max",
-             "time to first token per prompt token", "prunewatch_time_to_first_token_per_prompt_token_seconds")):
+    for name, figure, kind, what, phase in (
+            ("DecodeSlowerThanDense", PROMQL_DECODE_VS_DENSE_LOW, "tpot_vs_dense_max", "time per output token",
+             "decode"),
+            ("FirstTokenSlowerThanDense", PROMQL_FIRST_TOKEN_VS_DENSE_LOW, "ttft_vs_dense_max",
+             "time to first token per prompt token", "first_token")):
         specs += _pair(
             name, figure, ">", kind, "latency_vs_dense_max", s, latency_for, "warning",
             (f"Pruned {what} of {WHERE} above dense x ", ""),
-            (f"Pruned {what} is {_value('%.2f')}x the dense baseline's on the same target over the last "
-             f"{LATENCY_WINDOW} ({_per_token_ms(after)} ms against {_per_token_ms(after.replace('prunewatch_', 'prunewatch_dense_', 1))} ms; measured by the engine on the same prompts, "
-             "the dense runs every N-th round), above x ",
-             f", for {latency_for}: pruning made it slower than running dense."),
+            (f"Pruned {what} is {_latency(phase, 'estimate', '%.2f')}x [{_value('%.2f')}, "
+             f"{_latency(phase, 'high', '%.2f')}] the dense time of the same prompts over "
+             f"{_latency_pairs(phase)} "
+             "prompt pairs (measured by the engine: each probe pruned and dense back to back in the baseline rounds, "
+             "the last rounds pooled; 95% bootstrap interval over pairs). Even the interval's lower bound is above "
+             "x ",
+             f", for {latency_for}: pruning made it slower than running dense, beyond the noise of the host."),
             f"{RUNBOOK_TARGET}, then check the engine's host load, the phase latencies and whether the sparse "
             "kernel is in use (`prunewatch doctor`).")
     if s.latency_per_token_slo_s is not None:

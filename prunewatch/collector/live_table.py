@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from prunewatch.collector.probe_round import RoundSummary
-from prunewatch.records.metrics import time_per_output_token_s
+from prunewatch.records.latency_window import time_per_output_token_s
 from prunewatch.records.results import ProbeResult
 
 ANSWER_CHARS = 60  # enough to recognise an answer (or a broken one) at a glance

@@ -27,7 +27,7 @@ from prunewatch.collector.probe_round import run_round
 from prunewatch.collector.reference import Reference
 from prunewatch.probes import EVALUATION_PATH, ProbeSet, load_probes
 from prunewatch.records.intervals import Interval, bootstrap_rate, bootstrap_share
-from prunewatch.records.metrics import time_per_output_token_s, ttft_per_prompt_token_s
+from prunewatch.records.latency_window import time_per_output_token_s, ttft_per_prompt_token_s
 from prunewatch.records.operating_range import (
     Derivation,
     OperatingRange,
@@ -134,11 +134,12 @@ class RangeOutcome:
 
 def load_or_measure(target: Any, reference: Reference | None, probe_set: ProbeSet, *, directory: Path, model: str,
                     fingerprint: str, sensitivity: float, engine_settings: Any, device: str,
-                    timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
+                    timeout_s: float | None = None, progress: Callable[[int, int], None] | None = None,
                     measure: bool = True) -> RangeOutcome:
     """The model's cached range, else measured now on `probe_set` at the default configuration and cached.
 
-    `target` is an in-process target (`with_overrides`); `reference` scores the default round's answers. Not
+    `target` is an in-process target (`with_overrides`); `reference` scores the default round's answers;
+    `progress(done, total)` hears of each prompt measured (a first measurement takes minutes on a CPU). Not
     measured (outcome "none") when the engine's pruning settings are not the defaults, or `measure` is off."""
     path = range_path(directory, model, fingerprint)
     if path.is_file():
@@ -154,7 +155,7 @@ def load_or_measure(target: Any, reference: Reference | None, probe_set: ProbeSe
     if not measure:
         return RangeOutcome(None, "none", "measuring the operating range is turned off: the alert rules use their "
                                           "fallbacks for this model", None)
-    say = progress or (lambda _message: None)
+    say = progress or (lambda _done, _total: None)
     dense_target = target.with_overrides(sensitivity=0.0, quality=False)
     pruned_target = target.with_overrides(sensitivity=sensitivity, quality=False)
     dense: list[ProbeResult] = []
@@ -163,10 +164,10 @@ def load_or_measure(target: Any, reference: Reference | None, probe_set: ProbeSe
         # Each prompt dense and pruned back to back, in alternating order: a neighbour's load on a shared host
         # slows both runs of a pair, not one configuration's whole round.
         one = ProbeSet((probe,), probe_set.source, probe_set.role)
-        say(f"operating range: prompt {index + 1}/{len(probe_set.probes)} dense and at sensitivity {sensitivity:g}")
         order = ((dense_target, None, dense), (pruned_target, reference, pruned))
         for runner, scorer, into in (order if index % 2 == 0 else order[::-1]):
             into.extend(run_round(runner, one, [], timeout_s=timeout_s, reference=scorer).results)
+        say(index + 1, len(probe_set.probes))
     measured = summarise(dense, pruned, model=model, fingerprint=fingerprint, source="calibration",
                          probe_set=probe_set, sensitivity=sensitivity,
                          engine=engine_configuration(engine_settings), device=device)

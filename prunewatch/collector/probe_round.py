@@ -145,8 +145,8 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
 
     With `timeout_s`, a probe that overruns it is cancelled and recorded as a `timeout` failure;
     an answer that arrives later is dropped, so each probe yields exactly one result. With
-    `baseline`, each probe then runs once more dense (sensitivity 0) on the same target, stored with
-    `baseline` set: the dense time of the same prompts on the same engine, measured in the same round.
+    `baseline`, each probe also runs dense (sensitivity 0) on the same target, right before or after its pruned
+    run, stored with `baseline` set: the dense time of the same prompt on the same engine, measured beside it.
     With a `reference`, every served answer (not the baselines) is scored against it before it is exported.
     """
     summary = RoundSummary(round_id=uuid.uuid4().hex, target=target.name)
@@ -164,7 +164,13 @@ def run_round(target: Target, probe_set: ProbeSet, exporters: Sequence[Exporter]
         if not _overridable(target):
             raise TypeError(f"target {target.name} cannot run dense baselines: it has no with_overrides")
         dense = target.with_overrides(sensitivity=0.0, quality=False)
-        runs += [(dense, probe, True) for probe in probe_set.probes]
+        # Each probe pruned and dense back to back, alternating which goes first: a neighbour's load slows both
+        # runs of a pair rather than one side of the round, so the pair's ratio (records/latency_window.py)
+        # measures pruning, not the host.
+        runs = []
+        for index, probe in enumerate(probe_set.probes):
+            pair = [(target, probe, False), (dense, probe, True)]
+            runs += pair if index % 2 == 0 else pair[::-1]
     for runner, probe, is_baseline in runs:
         if stop is not None and stop.is_set():
             break

@@ -91,3 +91,33 @@ def bootstrap_rate(outcomes: Sequence[bool], *, resamples: int = RESAMPLES, conf
     """A pass rate over prompts (one outcome each) with its bootstrap interval; None without outcomes."""
     values = [1.0 if passed else 0.0 for passed in outcomes]
     return bootstrap_share(values, [1.0] * len(values), resamples=resamples, confidence=confidence, seed=seed)
+
+
+def bootstrap_ratio(numerators: Sequence[float], denominators: Sequence[float], *, resamples: int = RESAMPLES,
+                    confidence: float = CONFIDENCE, seed: int = _SEED) -> Interval | None:
+    """The ratio sum(numerators) / sum(denominators) over paired units, with its bootstrap interval.
+
+    For figures that are not shares, such as a pruned time over the dense time of the same prompt: unit i
+    contributes (numerators[i], denominators[i]), units are resampled with replacement, and the interval is
+    read as for `bootstrap_share`. `prompts` and `tokens` both count the units. With one unit the interval is
+    [0, inf]: one pair says nothing of how pairs vary. None without units."""
+    if len(numerators) != len(denominators):
+        raise ValueError(f"{len(numerators)} numerators for {len(denominators)} denominators")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    a = np.asarray(numerators, dtype=np.float64)
+    b = np.asarray(denominators, dtype=np.float64)
+    if np.any(a < 0) or np.any(b <= 0) or not np.all(np.isfinite(a)) or not np.all(np.isfinite(b)):
+        raise ValueError("each unit needs a finite numerator >= 0 and a finite denominator > 0")
+    n = int(a.size)
+    if n == 0:
+        return None
+    estimate = float(a.sum() / b.sum())
+    if n == 1:
+        return Interval(estimate, 0.0, float("inf"), 1, 1)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, n, size=(resamples, n))  # (R, n): units drawn with replacement
+    ratios = a[picks].sum(axis=1) / b[picks].sum(axis=1)  # (R,)
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(ratios, [tail, 1.0 - tail])
+    return Interval(estimate, float(low), float(high), n, n)

@@ -16,6 +16,13 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from prunewatch.records.latency_window import (
+    PHASES,
+    LatencyWindow,
+    LatencyWindows,
+    time_per_output_token_s,
+    ttft_per_prompt_token_s,
+)
 from prunewatch.records.operating_range import Threshold
 from prunewatch.records.quality_window import AnswerWindow, QualityWindows
 from prunewatch.records.results import FAILURE_REASONS, ProbeResult
@@ -50,19 +57,6 @@ LABEL_VALUES: dict[str, Callable[[ProbeResult], str]] = {
 
 def _seconds(milliseconds: float | None) -> float | None:
     return None if milliseconds is None else milliseconds / 1000.0
-
-
-def time_per_output_token_s(r: ProbeResult) -> float | None:
-    """Decode seconds per token after the first: the engine's figure, else the collector's (HTTP, network
-    included); None when the answer had one token or none."""
-    rate = r.decode_tokens_per_s or r.client_decode_tokens_per_s
-    return 1.0 / rate if rate else None
-
-
-def ttft_per_prompt_token_s(r: ProbeResult) -> float | None:
-    """Time to first token over prompt tokens: the engine's figure, else the collector's (HTTP)."""
-    ttft = r.ttft_ms if r.ttft_ms is not None else r.client_ttft_ms
-    return ttft / 1000.0 / r.prompt_tokens if ttft is not None and r.prompt_tokens else None
 
 
 @dataclass(frozen=True)
@@ -193,6 +187,18 @@ QUALITY_WINDOW_FAMILIES = {
 """Gauges derived from a window of results rather than from one (set by CollectorMetrics, replayed by the
 embedded evaluator the same way)."""
 
+LATENCY_VS_DENSE = "prunewatch_latency_vs_dense_window"
+LATENCY_PAIRS = "prunewatch_latency_vs_dense_pairs"
+LATENCY_WINDOW_LABELS = ("model", "domain", "target", "phase", "bound")
+LATENCY_WINDOW_FAMILIES = {
+    LATENCY_VS_DENSE: "Pruned over dense time per token of the same prompts, run back to back in the last baseline "
+                      "rounds (records/latency_window.py): phase=decode (per output token) or first_token (time to "
+                      "first token per prompt token); bound=estimate, and the 95% interval bootstrapped over "
+                      "prompt pairs, bound=low / high.",
+    LATENCY_PAIRS: "Prompt pairs (pruned and dense) behind prunewatch_latency_vs_dense_window.",
+}
+"""Gauges of the paired latency window, set by CollectorMetrics and replayed by the embedded evaluator."""
+
 ALERT_THRESHOLD = "prunewatch_alert_threshold"
 ALERT_THRESHOLD_LABELS = ("model", "kind", "source")
 """A watched model's alert thresholds, measured for it (records/operating_range.py): kind = ratio_low,
@@ -208,6 +214,19 @@ def window_samples(window: AnswerWindow) -> dict[str, dict[str, float]]:
             out[family] = {"estimate": interval.estimate, "low": interval.low, "high": interval.high}
             if family == QUALITY_AGREEMENT:
                 out[QUALITY_PROMPTS] = {"": float(interval.prompts)}
+    return out
+
+
+def latency_samples(window: LatencyWindow) -> dict[str, dict[tuple[str, ...], float]]:
+    """The latency window gauges' values for one (target, model, domain): family -> (phase[, bound]) -> value."""
+    out: dict[str, dict[tuple[str, ...], float]] = {LATENCY_VS_DENSE: {}, LATENCY_PAIRS: {}}
+    for phase in PHASES:
+        interval = window.ratio(phase)
+        if interval is None:
+            continue
+        for bound in BOUNDS:
+            out[LATENCY_VS_DENSE][(phase, bound)] = getattr(interval, bound)
+        out[LATENCY_PAIRS][(phase,)] = float(interval.prompts)
     return out
 
 
@@ -227,6 +246,12 @@ class CollectorMetrics:
         self.window_gauges[QUALITY_PROMPTS] = Gauge(
             check_metric_name(QUALITY_PROMPTS), "Prompts behind prunewatch_reference_agreement_window.",
             ["model", "domain", "target"], registry=self.registry)
+        self.latency_windows = LatencyWindows()
+        self.latency_gauges = {
+            name: Gauge(check_metric_name(name), text,
+                        list(LATENCY_WINDOW_LABELS if name == LATENCY_VS_DENSE else LATENCY_WINDOW_LABELS[:-1]),
+                        registry=self.registry)
+            for name, text in LATENCY_WINDOW_FAMILIES.items()}
         self.thresholds = Gauge(check_metric_name(ALERT_THRESHOLD),
                                 "Alert threshold measured for a model (kind), with how it was obtained (source).",
                                 list(ALERT_THRESHOLD_LABELS), registry=self.registry)
@@ -307,6 +332,7 @@ class CollectorMetrics:
                     metric.observe(value)
             if not live:
                 self._record_window(result)
+                self._record_latency_window(result)
         finally:
             self.changed()
 
@@ -318,6 +344,14 @@ class CollectorMetrics:
             for bound, value in values.items():
                 labels = (result.model, result.domain, result.target) + ((bound,) if bound else ())
                 self.window_gauges[family].labels(*labels).set(value)
+
+    def _record_latency_window(self, result: ProbeResult) -> None:
+        window = self.latency_windows.add(result)
+        if window is None:
+            return
+        for family, values in latency_samples(window).items():
+            for key, value in values.items():
+                self.latency_gauges[family].labels(result.model, result.domain, result.target, *key).set(value)
 
     def _preset_reasons(self, family: ResultFamily, values: tuple[str, ...]) -> None:
         """Create the family's series for every preset reason at 0, once per set of its other labels."""

@@ -62,6 +62,18 @@ PROMQL_TPOT_VS_DENSE = _pruned_over_dense("prunewatch_time_per_output_token_seco
 PROMQL_TTFT_VS_DENSE = _pruned_over_dense("prunewatch_time_to_first_token_per_prompt_token_seconds",
                                           "prunewatch_dense_time_to_first_token_per_prompt_token_seconds")
 """Pruned / dense time to first token per prompt token over the last hour."""
+
+
+def promql_latency_window(phase: str, bound: str) -> str:
+    """One bound of the paired pruned/dense per-token time (records/latency_window.py) per target, model, domain:
+    phase decode (per output token) or first_token (time to first token per prompt token)."""
+    return (f'max by (target, model, domain) '
+            f'(prunewatch_latency_vs_dense_window{{phase="{phase}",bound="{bound}"}})')
+
+
+PROMQL_DECODE_VS_DENSE_LOW = promql_latency_window("decode", "low")
+"""The paired decode interval's lower bound: above a threshold, "slower than dense" is beyond noise."""
+PROMQL_FIRST_TOKEN_VS_DENSE_LOW = promql_latency_window("first_token", "low")
 PROMQL_TPOT_15M = "avg by (target, model, domain) (avg_over_time(prunewatch_time_per_output_token_seconds[15m]))"
 """Pruned time per output token, 15 minutes: what a configured per-token SLO reads."""
 

@@ -35,9 +35,10 @@ DENSE_FIELDS = {"prunewatch_dense_time_per_output_token_seconds": "decode_tokens
                 "prunewatch_dense_time_to_first_token_per_prompt_token_seconds": "ttft_ms"}
 """Gauges of pruned results and of dense baseline results: one result per probe and instant carries each."""
 SERIES_GIVEN = frozenset({"prunewatch_alert_threshold", "prunewatch_reference_agreement_window",
-                          "prunewatch_reference_agreement_prompts", "prunewatch_task_pass_rate_window"})
+                          "prunewatch_reference_agreement_prompts", "prunewatch_task_pass_rate_window",
+                          "prunewatch_latency_vs_dense_window", "prunewatch_latency_vs_dense_pairs"})
 """Gauges the store does not derive from one result each: the measured thresholds (constant series read from a
-model's operating range) and the quality windows (derived from many results; their replay from stored results is
+model's operating range) and the quality and latency windows (derived from many results; their replay from stored results is
 tested against the collector's own in test_alert_series.py). They reach the evaluator as series."""
 
 
@@ -208,8 +209,10 @@ def results_for(case: dict[str, Any]) -> list[ProbeResult]:
             results.append(_result(at, model, domain, target, probe, "ok", i, len(results), **fields,
                                    inference_ms=observed[j] * 1000 if j < len(observed) else None))
         for probe, fields in sorted(dense.get(key, {}).items()):
+            # A round of its own: the latency windows are the case's given series, so the converted baselines
+            # must not pair with the pruned results (records/latency_window.py pairs runs of one round).
             results.append(_result(at, model, domain, target, probe, "ok", i, len(results), baseline=True,
-                                   sensitivity=0.0, **fields))
+                                   sensitivity=0.0, round_id=f"dense-{i}", **fields))
         reasons = failures.get(key, [])
         if key in failed_declared and failed_declared[key] != len(reasons):
             raise NotConvertible(f"{failed_declared[key]} failed results but {len(reasons)} failure reasons at {at}")
@@ -223,9 +226,9 @@ def _result(at: datetime, model: str, domain: str, target: str, probe: str, stat
             **fields: Any) -> ProbeResult:
     if fields.get("ttft_ms") is not None:
         fields.setdefault("prompt_tokens", PROMPT_TOKENS)
+    fields.setdefault("round_id", f"{step:032d}")
     return ProbeResult(target=target, model=model, probe_id=probe, probe_version=1, probe_hash="0" * 16,
-                       domain=domain, status=status, round_id=f"{step:032d}", result_id=f"{step:020d}{n:012d}",
-                       created_at=at, **fields)
+                       domain=domain, status=status, result_id=f"{step:020d}{n:012d}", created_at=at, **fields)
 
 
 def given_series(case: dict[str, Any]) -> list[GaugeSeries]:

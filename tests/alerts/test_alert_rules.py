@@ -15,7 +15,9 @@ from prunewatch.alerts._parser import parse
 from prunewatch.alerts.rules import compare, compare_fallback, compare_measured
 from prunewatch.records.promql import (
     PROMQL_BUFFER_DEPTH,
+    PROMQL_DECODE_VS_DENSE_LOW,
     PROMQL_FAILURE_RATE,
+    PROMQL_FIRST_TOKEN_VS_DENSE_LOW,
     PROMQL_LATENCY_P99,
     PROMQL_PASS_RATE,
     PROMQL_QUALITY_ESTIMATE,
@@ -38,8 +40,8 @@ MEASURED = {  # alert, severity -> the figure, its comparison, the kind of thres
     ("PruningRatioQualityRisk", "warning"): (PROMQL_RATIO_BY_DOMAIN, ">", "ratio_red_line", 0.44),
     ("PruningRatioQualityRisk", "critical"): (PROMQL_RATIO_BY_DOMAIN, ">", "ratio_risk", 0.45),
     ("QualityAgreementLow", "warning"): (PROMQL_QUALITY_HIGH, "<", "quality_floor", 0.8),
-    ("DecodeSlowerThanDense", "warning"): (PROMQL_TPOT_VS_DENSE, ">", "tpot_vs_dense_max", 1.5),
-    ("FirstTokenSlowerThanDense", "warning"): (PROMQL_TTFT_VS_DENSE, ">", "ttft_vs_dense_max", 1.5),
+    ("DecodeSlowerThanDense", "warning"): (PROMQL_DECODE_VS_DENSE_LOW, ">", "tpot_vs_dense_max", 1.5),
+    ("FirstTokenSlowerThanDense", "warning"): (PROMQL_FIRST_TOKEN_VS_DENSE_LOW, ">", "ttft_vs_dense_max", 1.5),
 }
 CONFIGURED = {  # alert -> the figure and comparison of rules with one configured threshold
     "ProbeFailing": (PROMQL_FAILURE_RATE, ">", 0.2),

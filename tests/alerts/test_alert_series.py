@@ -66,6 +66,12 @@ def test_synthetic_results_map_to_the_collector_metrics() -> None:
     dense = result(T0 + timedelta(seconds=6), "tech", "tech-1", ratio=0.0, inference_ms=9000.0)
     dense.baseline, dense.sensitivity, dense.client_ttft_ms = True, 0.0, 240.0
     results.append(dense)
+    for i, (probe, pruned_tps) in enumerate((("tech-3", 20.0), ("tech-4", 16.0))):  # a baseline round's pairs
+        for j, (tps, baseline) in enumerate(((pruned_tps, False), (25.0, True))):
+            run = result(T0 + timedelta(seconds=7 + 2 * i + j), "tech", probe, ratio=0.0 if baseline else 0.4)
+            run.round_id, run.baseline, run.sensitivity = "p" * 32, baseline, 0.0 if baseline else 0.5
+            run.decode_tokens_per_s, run.ttft_ms, run.prompt_tokens = tps, 30.0 if baseline else 33.0, 12
+            results.append(run)
     for r in results:
         r.duration_ms = 1234.0
     assert_same(results)
@@ -73,7 +79,7 @@ def test_synthetic_results_map_to_the_collector_metrics() -> None:
     ratios = {s.values[-1] for s in series.gauges("prunewatch_pruning_ratio") if ("probe", "tech-1") in s.labels}
     assert ratios == {0.45}  # a dense baseline does not overwrite the pruned configuration's ratio
     dense_count = series.counters("prunewatch_dense_inference_latency_seconds_count")
-    assert [sum(s.increments) for s in dense_count] == [1.0]
+    assert [sum(s.increments) for s in dense_count] == [3.0]  # tech-1 and the two pairs' dense runs
     series = StoreSeries(results)
     failures = {dict(s.labels)["reason"] for s in series.counters("prunewatch_probe_failures_total") if sum(s.increments)}
     assert failures == {"timeout", "exception"}  # a failure without a reason is counted as "exception"

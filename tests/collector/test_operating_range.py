@@ -99,9 +99,12 @@ def test_measured_once_with_each_prompt_dense_and_pruned_back_to_back(tmp_path, 
 
     probes = ProbeSet(load_probes().probes[:3], "evaluation.yaml")
     defaults = EngineSettings(model_dir=probe_model_dir)
+    progress: list[tuple[int, int]] = []
     measured = load_or_measure(Recorded(), WordsReference(), probes, directory=tmp_path, model="curve-model",
-                               fingerprint="f" * 64, sensitivity=0.5, engine_settings=defaults, device="cpu: test")
+                               fingerprint="f" * 64, sensitivity=0.5, engine_settings=defaults, device="cpu: test",
+                               progress=lambda done, total: progress.append((done, total)))
     assert measured.how == "measured" and calls == [0.0, 0.5, 0.5, 0.0, 0.0, 0.5]  # pairs, alternating order
+    assert progress == [(1, 3), (2, 3), (3, 3)]  # the bar hears of each prompt measured
     assert measured.range.ratio == pytest.approx(0.25) and measured.range.agreement["estimate"] == pytest.approx(0.95)
     assert measured.path == range_path(tmp_path, "curve-model", "f" * 64) and measured.path.is_file()
     again = load_or_measure(Recorded(), WordsReference(), probes, directory=tmp_path, model="curve-model",

@@ -78,3 +78,32 @@ def test_failures_become_rows_and_counter_increments(tmp_path):
         round_row = session.get(RoundRow, summary.round_id)
         assert (round_row.probes_ok, round_row.probes_failed) == (1, 2)
         assert round_row.finished_at is not None
+
+
+class TimedTarget(ScriptedTarget):
+    """Answers every probe; `with_overrides` gives a dense twin sharing the call log, as an engine target does."""
+
+    def __init__(self, calls: list[tuple[str, float]], sensitivity: float = 0.5) -> None:
+        super().__init__({})
+        self.calls, self.sensitivity = calls, sensitivity
+
+    def with_overrides(self, *, sensitivity: float, quality: bool) -> "TimedTarget":
+        return TimedTarget(self.calls, sensitivity)
+
+    def run_probe(self, probe):
+        self.calls.append((probe.id, self.sensitivity))
+        return super().run_probe(probe)
+
+
+def test_a_baseline_round_runs_each_probe_pruned_and_dense_back_to_back_and_the_pairs_are_exported():
+    calls: list[tuple[str, float]] = []
+    metrics = CollectorMetrics(CollectorRegistry())
+    summary = run_round(TimedTarget(calls), ProbeSet((PROBE, SECOND, THIRD), "test"), [metrics], baseline=True)
+    # Neighbours on the host slow both runs of a pair: each probe's two runs are adjacent, first side alternating.
+    assert calls == [(PROBE.id, 0.5), (PROBE.id, 0.0), (SECOND.id, 0.0), (SECOND.id, 0.5),
+                     (THIRD.id, 0.5), (THIRD.id, 0.0)]
+    assert [r.baseline for r in summary.results] == [False, True, True, False, False, True]
+    pairs = metrics.registry.get_sample_value(
+        "prunewatch_latency_vs_dense_pairs", {"model": "fake", "domain": "tech", "target": "scripted",
+                                              "phase": "decode"})
+    assert pairs == 3.0
