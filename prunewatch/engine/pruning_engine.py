@@ -220,7 +220,7 @@ class PruningEngine:
         device has no kernel (no compiler on the CPU, no triton on CUDA, any other device): a sparse
         request is never run dense while reported as sparse."""
         from prunewatch.engine.sparse import install_sparsity
-        from prunewatch.engine.sparse.calibration import load_or_calibrate_sparsity
+        from prunewatch.engine.sparse.calibration_cache import load_or_calibrate_sparsity
 
         if self._sparsity is not None:
             return

@@ -123,7 +123,7 @@ class EngineSettings(BaseSettings):
         description=(
             "How a request's activation-sparsity target is spread over layers and projections: 'uniform' "
             "(TEAL's rule) gives each the target; 'greedy' follows the plan calibrated with the thresholds "
-            "(prunewatch/engine/sparse/calibration.py), which sparsifies first where the estimated output error grows "
+            "(prunewatch/engine/sparse/allocation.py), which sparsifies first where the estimated output error grows "
             "least per skipped FLOP, at the same total skipped work. Transition and blacklisted blocks stay dense. "
             "Default 'greedy': at decode ratio 0.13 on SmolLM2-135M-Instruct, token agreement 0.969 against "
             "uniform's 0.901 (bench/results/frontier-SmolLM2-135M-Instruct.json)."),
