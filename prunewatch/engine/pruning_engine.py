@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
@@ -36,6 +36,11 @@ from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_tar
 from prunewatch.engine.signals import memory_pressure
 from prunewatch.engine.stats import GenerationResult, QualityReport, RequestStats
 from prunewatch.engine.threads import GenerationThreads
+
+if TYPE_CHECKING:  # imported where they are first used: a dense engine never loads them
+    from prunewatch.engine.compiled_decode import CompiledDecode
+    from prunewatch.engine.sparse import SparseLinear, SparsityInstallation
+    from prunewatch.engine.sparse.output_head import ShortlistHead
 
 logger = logging.getLogger("prunewatch.engine")
 
@@ -102,23 +107,25 @@ class PruningEngine:
             logger.warning("head gating is unavailable for %s: its attention layout is not recognised",
                            type(loaded.model).__name__)
         self._calibration: Calibration | None = None
-        self._sparsity = None  # prunewatch.engine.sparse.SparsityInstallation once thresholds are calibrated
-        self._output_head = None  # prunewatch.engine.sparse.output_head.ShortlistHead once enabled
-        self._compiled = None  # prunewatch.engine.compiled_decode.CompiledDecode, built on first use when configured
+        self._sparsity: SparsityInstallation | None = None  # once thresholds are calibrated
+        self._output_head: ShortlistHead | None = None  # once enabled
+        self._compiled: CompiledDecode | None = None  # built on first use when configured
         self._generation_thread: GenerationThreads | None = None  # started on first use (generation_thread)
         self._generation_thread_lock = threading.Lock()
         if calibration is not None:
             self.use_calibration(calibration)
         self.dram_profile = self._load_dram_profile(settings.dram_profile)
-        config = loaded.model.config
+        model: Any = loaded.model  # a transformers model (typed as a plain nn.Module)
+        tokenizer: Any = loaded.tokenizer
+        config = model.config
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = cast(int, getattr(config, "num_key_value_heads", None) or heads)  # config fields are untyped
         hidden = getattr(config, "hidden_size", None) or config.n_embd
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         self._kv_bytes_per_token_per_layer = 2 * kv_heads * head_dim * torch.empty((), dtype=loaded.dtype).element_size()
-        eos = getattr(loaded.model.generation_config, "eos_token_id", None) or loaded.tokenizer.eos_token_id
-        self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.token_texts = TokenTexts(loaded.tokenizer)  # token ids as OpenAI clients read them (logprobs)
+        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.token_texts = TokenTexts(tokenizer)  # token ids as OpenAI clients read them (logprobs)
 
     @classmethod
     def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:
@@ -227,7 +234,7 @@ class PruningEngine:
     def render_prompt(self, prompt: str | None = None, system: str | None = None,
                       messages: Sequence[Mapping[str, str]] | None = None) -> list[int]:
         """Token ids of the prompt, through the model's chat template when it has one."""
-        tokenizer = self.loaded.tokenizer
+        tokenizer: Any = self.loaded.tokenizer
         if messages is None:
             if prompt is None:
                 raise InvalidRequestError("a request needs a prompt or messages")
@@ -245,8 +252,9 @@ class PruningEngine:
         """Token ids of a plain-text completion prompt, without the chat template, tokenized as given: no BOS
         or other special token is added (as lm-eval's and OpenAI's clients count a prompt's tokens), so the
         tokens an echo returns are the client's own."""
+        tokenizer: Any = self.loaded.tokenizer
         try:
-            ids = self.loaded.tokenizer(prompt, add_special_tokens=False).input_ids
+            ids = tokenizer(prompt, add_special_tokens=False).input_ids
         except (TypeError, ValueError, UnicodeError) as exc:
             raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
         if not ids:
@@ -261,7 +269,8 @@ class PruningEngine:
             return None, None
         if self._calibration is None:
             return None, "uncalibrated"
-        embed = self.loaded.model.get_input_embeddings()
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
+        embed = model.get_input_embeddings()
         with torch.no_grad():
             direction = mean_token_direction(embed(torch.tensor(prompt_ids, device=self.loaded.device)))
         bypass_plan = plan_bypass(
@@ -277,7 +286,8 @@ class PruningEngine:
             head_budget=self.settings.head_budget if self.head_gating is not None else 0.0,
         )
         if self.settings.fallback_on_anomaly and prompt_text is not None:
-            text_tokens = len(self.loaded.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+            tokenizer: Any = self.loaded.tokenizer
+            text_tokens = len(tokenizer(prompt_text, add_special_tokens=False).input_ids)
             reason = anomaly_reason(prompt_text, text_tokens, bypass_plan.nearest_domain_similarity,
                                     self.settings.anomaly_limits)
             if reason is not None:
@@ -315,7 +325,7 @@ class PruningEngine:
         """
         from transformers import DynamicCache
 
-        model = self.loaded.model
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
         device = self.loaded.device
         ids = torch.tensor([prompt_ids], device=device)  # (1, T)
         cache = DynamicCache(config=model.config) if use_cache else None
@@ -377,21 +387,22 @@ class PruningEngine:
     def context_window(self) -> int | None:
         """Positions the model was built for (config.max_position_embeddings, or n_positions for GPT-2);
         None when its config names none."""
-        config = self.loaded.model.config
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
+        config = model.config
         for name in ("max_position_embeddings", "n_positions"):
             value = getattr(config, name, None)
             if isinstance(value, int) and value > 0:
                 return value
         return None
 
-    def compiled_decode(self, wanted: bool | None = None):
+    def compiled_decode(self, wanted: bool | None = None) -> CompiledDecode | None:
         """The compiled decode step (prunewatch.engine.compiled_decode) when `wanted` (None: the `compile_decode`
         setting) and the model is on the CPU, built for the wrappers installed now; None otherwise or once
         its compilation failed."""
         wanted = self.settings.compile_decode if wanted is None else wanted
         if not wanted or self.loaded.device.type != "cpu":
             return None
-        layers = list(self._sparsity.layers.values()) if self._sparsity is not None else []
+        layers: list[SparseLinear] = list(self._sparsity.layers.values()) if self._sparsity is not None else []
         compiled = self._compiled
         if compiled is None or compiled.layers != layers or compiled.output_head is not self._output_head:
             from prunewatch.engine.compiled_decode import CompiledDecode
@@ -718,10 +729,11 @@ class PruningEngine:
         """The answer's tokens as the client received them: end of sequence left out, and an answer cut by a
         stop sequence re-tokenized from its text (the tokens past the cut were never served)."""
         if stopped_at >= 0:
-            return list(self.loaded.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+            tokenizer: Any = self.loaded.tokenizer
+            return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
         return [t for t in tokens if t not in self._eos_ids]
 
-    def _quality_flags(self, ratio: float, report) -> list[str]:
+    def _quality_flags(self, ratio: float, report: QualityReport | None) -> list[str]:
         flags = []
         if ratio > self.settings.ratio_red_line:
             flags.append("ratio_above_red_line")
