@@ -9,7 +9,7 @@ served answers with their intervals, held-out perplexity delta
 Curves (each a sweep of the activation-sparsity target at sensitivity 1 unless named otherwise):
 - teal-uniform: |x| thresholds, every layer the same target (TEAL's rule), the baseline;
 - wina-uniform: |x| * ||W[:, i]|| thresholds (WINA), uniform;
-- greedy: |x| thresholds, spread by the calibrated greedy plan (prunewatch/engine/sparse/calibration.py: sparsify
+- greedy: |x| thresholds, spread by the calibrated greedy plan (prunewatch/engine/sparse/allocation.py: sparsify
   first where the estimated output error grows least per skipped FLOP, fitted on the calibration set's prompts,
   never on the continuations or held-out text scored here);
 - bypass, heads: layer bypass and head gating budgets alone;
@@ -59,7 +59,8 @@ from prunewatch.bench.mechanisms import (
 )
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.settings import OUTPUT_HEAD_FULL_AT
-from prunewatch.engine.sparse.calibration import SparsityCalibration, sparsity_calibration_path
+from prunewatch.engine.sparse.calibration import SparsityCalibration
+from prunewatch.engine.sparse.calibration_cache import sparsity_calibration_path
 from prunewatch.probes import load_calibration_set
 
 AGREEMENT_RANGE = (0.90, 0.99)

@@ -15,10 +15,11 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
+from prunewatch.engine._streaming import Completion, CompletionText, PromptEcho, RequestTimes, StreamRequest
 from prunewatch.engine.anomaly import anomaly_reason
 from prunewatch.engine.calibration import CALIBRATION_FORMAT_VERSION, Calibration, calibrate, mean_token_direction
 from prunewatch.engine.dram_profile import DramProfile
@@ -33,8 +34,13 @@ from prunewatch.engine.planner import BypassPlan, plan_bypass, validate_request
 from prunewatch.engine.quality import answer_token_scores, divergence, quality_check, quality_report
 from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
 from prunewatch.engine.signals import memory_pressure
-from prunewatch.engine.stats import GenerationResult, RequestStats
+from prunewatch.engine.stats import GenerationResult, QualityReport, RequestStats
 from prunewatch.engine.threads import GenerationThreads
+
+if TYPE_CHECKING:  # imported where they are first used: a dense engine never loads them
+    from prunewatch.engine.compiled_decode import CompiledDecode
+    from prunewatch.engine.sparse import SparseLinear, SparsityInstallation
+    from prunewatch.engine.sparse.output_head import ShortlistHead
 
 logger = logging.getLogger("prunewatch.engine")
 
@@ -83,12 +89,6 @@ def stop_sequences(stop: Sequence[str] | str) -> tuple[str, ...]:
     return stops
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> int:
-    """Where the earliest stop sequence begins in `text`; -1 when none appears."""
-    found = [at for at in (text.find(s) for s in stops) if at >= 0]
-    return min(found) if found else -1
-
-
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
@@ -107,23 +107,25 @@ class PruningEngine:
             logger.warning("head gating is unavailable for %s: its attention layout is not recognised",
                            type(loaded.model).__name__)
         self._calibration: Calibration | None = None
-        self._sparsity = None  # prunewatch.engine.sparse.SparsityInstallation once thresholds are calibrated
-        self._output_head = None  # prunewatch.engine.sparse.output_head.ShortlistHead once enabled
-        self._compiled = None  # prunewatch.engine.compiled_decode.CompiledDecode, built on first use when configured
+        self._sparsity: SparsityInstallation | None = None  # once thresholds are calibrated
+        self._output_head: ShortlistHead | None = None  # once enabled
+        self._compiled: CompiledDecode | None = None  # built on first use when configured
         self._generation_thread: GenerationThreads | None = None  # started on first use (generation_thread)
         self._generation_thread_lock = threading.Lock()
         if calibration is not None:
             self.use_calibration(calibration)
         self.dram_profile = self._load_dram_profile(settings.dram_profile)
-        config = loaded.model.config
+        model: Any = loaded.model  # a transformers model (typed as a plain nn.Module)
+        tokenizer: Any = loaded.tokenizer
+        config = model.config
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = cast(int, getattr(config, "num_key_value_heads", None) or heads)  # config fields are untyped
         hidden = getattr(config, "hidden_size", None) or config.n_embd
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         self._kv_bytes_per_token_per_layer = 2 * kv_heads * head_dim * torch.empty((), dtype=loaded.dtype).element_size()
-        eos = getattr(loaded.model.generation_config, "eos_token_id", None) or loaded.tokenizer.eos_token_id
-        self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.token_texts = TokenTexts(loaded.tokenizer)  # token ids as OpenAI clients read them (logprobs)
+        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.token_texts = TokenTexts(tokenizer)  # token ids as OpenAI clients read them (logprobs)
 
     @classmethod
     def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:
@@ -220,7 +222,7 @@ class PruningEngine:
         device has no kernel (no compiler on the CPU, no triton on CUDA, any other device): a sparse
         request is never run dense while reported as sparse."""
         from prunewatch.engine.sparse import install_sparsity
-        from prunewatch.engine.sparse.calibration import load_or_calibrate_sparsity
+        from prunewatch.engine.sparse.calibration_cache import load_or_calibrate_sparsity
 
         if self._sparsity is not None:
             return
@@ -232,7 +234,7 @@ class PruningEngine:
     def render_prompt(self, prompt: str | None = None, system: str | None = None,
                       messages: Sequence[Mapping[str, str]] | None = None) -> list[int]:
         """Token ids of the prompt, through the model's chat template when it has one."""
-        tokenizer = self.loaded.tokenizer
+        tokenizer: Any = self.loaded.tokenizer
         if messages is None:
             if prompt is None:
                 raise InvalidRequestError("a request needs a prompt or messages")
@@ -250,8 +252,9 @@ class PruningEngine:
         """Token ids of a plain-text completion prompt, without the chat template, tokenized as given: no BOS
         or other special token is added (as lm-eval's and OpenAI's clients count a prompt's tokens), so the
         tokens an echo returns are the client's own."""
+        tokenizer: Any = self.loaded.tokenizer
         try:
-            ids = self.loaded.tokenizer(prompt, add_special_tokens=False).input_ids
+            ids = tokenizer(prompt, add_special_tokens=False).input_ids
         except (TypeError, ValueError, UnicodeError) as exc:
             raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
         if not ids:
@@ -266,7 +269,8 @@ class PruningEngine:
             return None, None
         if self._calibration is None:
             return None, "uncalibrated"
-        embed = self.loaded.model.get_input_embeddings()
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
+        embed = model.get_input_embeddings()
         with torch.no_grad():
             direction = mean_token_direction(embed(torch.tensor(prompt_ids, device=self.loaded.device)))
         bypass_plan = plan_bypass(
@@ -282,7 +286,8 @@ class PruningEngine:
             head_budget=self.settings.head_budget if self.head_gating is not None else 0.0,
         )
         if self.settings.fallback_on_anomaly and prompt_text is not None:
-            text_tokens = len(self.loaded.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+            tokenizer: Any = self.loaded.tokenizer
+            text_tokens = len(tokenizer(prompt_text, add_special_tokens=False).input_ids)
             reason = anomaly_reason(prompt_text, text_tokens, bypass_plan.nearest_domain_similarity,
                                     self.settings.anomaly_limits)
             if reason is not None:
@@ -320,7 +325,7 @@ class PruningEngine:
         """
         from transformers import DynamicCache
 
-        model = self.loaded.model
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
         device = self.loaded.device
         ids = torch.tensor([prompt_ids], device=device)  # (1, T)
         cache = DynamicCache(config=model.config) if use_cache else None
@@ -382,21 +387,22 @@ class PruningEngine:
     def context_window(self) -> int | None:
         """Positions the model was built for (config.max_position_embeddings, or n_positions for GPT-2);
         None when its config names none."""
-        config = self.loaded.model.config
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
+        config = model.config
         for name in ("max_position_embeddings", "n_positions"):
             value = getattr(config, name, None)
             if isinstance(value, int) and value > 0:
                 return value
         return None
 
-    def compiled_decode(self, wanted: bool | None = None):
+    def compiled_decode(self, wanted: bool | None = None) -> CompiledDecode | None:
         """The compiled decode step (prunewatch.engine.compiled_decode) when `wanted` (None: the `compile_decode`
         setting) and the model is on the CPU, built for the wrappers installed now; None otherwise or once
         its compilation failed."""
         wanted = self.settings.compile_decode if wanted is None else wanted
         if not wanted or self.loaded.device.type != "cpu":
             return None
-        layers = list(self._sparsity.layers.values()) if self._sparsity is not None else []
+        layers: list[SparseLinear] = list(self._sparsity.layers.values()) if self._sparsity is not None else []
         compiled = self._compiled
         if compiled is None or compiled.layers != layers or compiled.output_head is not self._output_head:
             from prunewatch.engine.compiled_decode import CompiledDecode
@@ -479,6 +485,61 @@ class PruningEngine:
         first token's is None); `max_new_tokens` may then be 0, which scores the prompt only.
         """
         started = time.perf_counter()
+        request = self._stream_request(
+            prompt, system=system, messages=messages, max_new_tokens=max_new_tokens, sensitivity=sensitivity,
+            layer_blacklist=layer_blacklist, log_level=log_level, quality=quality, use_cache=use_cache,
+            request_id=request_id, prompt_ids=prompt_ids, stop=stop, logprobs=logprobs, echo=echo)
+        bypass_plan, fallback = self.plan(request.prompt_ids, request.sensitivity, request.blacklist,
+                                          prompt_text=request.user_text)
+        plan = self._with_sparsity(bypass_plan, request.blacklist) if bypass_plan else ExecutionPlan()
+        preprocessed = time.perf_counter()
+
+        ledger = ExecutionLedger()
+        growing = CompletionText(self.loaded.tokenizer, self.token_texts, request.stops, self._eos_ids)
+        prompt_echo = PromptEcho(request.prompt_ids, self.token_texts)
+        if request.echo and request.logprobs is None:
+            yield TokenDelta(*prompt_echo.plain(self.loaded.tokenizer), echo=True)
+        with PeakMemory(self.loaded.device) as memory:
+            yield from self._stream_pieces(request, plan, ledger, growing, prompt_echo)
+            if self.loaded.device.type == "cuda":
+                torch.cuda.synchronize(self.loaded.device)
+            inferred = time.perf_counter()
+            completion = growing.finish()
+            if completion.rest is not None:
+                yield TokenDelta(*completion.rest)
+            served_ids = self._served_ids(completion.tokens, completion.text, completion.stopped_at)
+            report, quality_s = self._check_quality(request, plan, completion, served_ids)
+            peak = memory.peak_bytes()
+        stats = self._request_stats(
+            request, bypass_plan=bypass_plan, fallback=fallback, plan=plan, ledger=ledger, completion=completion,
+            report=report, peak_memory_bytes=peak, peak_memory_source=memory.source,
+            times=RequestTimes(started, preprocessed, growing.first_token_at, inferred))
+        self._log(stats, bypass_plan, request.log_level)
+        stats.quality_ms = _ms(quality_s)
+        stats.postprocessing_ms = _ms(time.perf_counter() - inferred - quality_s)
+        yield GenerationResult(text=completion.text, token_ids=completion.tokens, stats=stats, served_ids=served_ids,
+                               logprobs=completion.logprobs if request.logprobs is not None else None,
+                               prompt_logprobs=prompt_echo.logprobs, prompt_text=prompt_echo.text)
+
+    def _stream_request(
+        self,
+        prompt: str | None,
+        *,
+        system: str | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        max_new_tokens: int | None,
+        sensitivity: float | None,
+        layer_blacklist: Sequence[int] | None,
+        log_level: LogLevel | None,
+        quality: bool | str,
+        use_cache: bool,
+        request_id: str | None,
+        prompt_ids: Sequence[int] | None,
+        stop: Sequence[str],
+        logprobs: int | None,
+        echo: bool,
+    ) -> StreamRequest:
+        """stream()'s arguments checked (InvalidRequestError), defaults from the settings, and the prompt rendered."""
         sensitivity = self.settings.sensitivity if sensitivity is None else float(sensitivity)
         blacklist = sorted(set(self.settings.layer_blacklist if layer_blacklist is None else layer_blacklist))
         log_level = self.settings.log_level if log_level is None else LogLevel(log_level)
@@ -491,116 +552,82 @@ class PruningEngine:
         stops = stop_sequences(stop)
         check = quality_check(quality)
         request_id = request_id or uuid.uuid4().hex
-        prompt_ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
-        if not prompt_ids:
+        ids = list(prompt_ids) if prompt_ids is not None else self.render_prompt(prompt, system, messages)
+        if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
         window = self.context_window
-        if window is not None and len(prompt_ids) + max_new_tokens > window:  # past it a model decodes garbage
-            raise InvalidRequestError(f"this model's context is {window} tokens; the prompt's {len(prompt_ids)} "
+        if window is not None and len(ids) + max_new_tokens > window:  # past it a model decodes garbage
+            raise InvalidRequestError(f"this model's context is {window} tokens; the prompt's {len(ids)} "
                                       f"plus {max_new_tokens} new tokens do not fit")
         user_text = prompt if messages is None else "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
-        bypass_plan, fallback = self.plan(prompt_ids, sensitivity, blacklist, prompt_text=user_text)
-        plan = self._with_sparsity(bypass_plan, blacklist) if bypass_plan else ExecutionPlan()
-        preprocessed = time.perf_counter()
+        return StreamRequest(request_id=request_id, prompt_ids=ids, user_text=user_text, max_new_tokens=max_new_tokens,
+                             sensitivity=sensitivity, blacklist=blacklist, log_level=log_level, check=check, stops=stops,
+                             logprobs=logprobs, echo=echo, use_cache=use_cache)
 
-        ledger = ExecutionLedger()
-        tokens: list[int] = []
-        text_so_far = ""  # what was yielded
-        stopped_at = -1  # where a stop sequence begins in the text; -1 while none has appeared
-        hold = max((len(s) for s in stops), default=1) - 1  # trailing characters that may begin a stop sequence
-        first_token_at = None
-        tokenizer: Any = self.loaded.tokenizer
-        # With logprobs: each generated token's entry, where its characters begin in the completion (`whole`:
-        # the completion's length up to its last whole character), and how many went out with a piece.
-        scored: list[TokenLogprob] = []
-        whole = sent = 0
-        prompt_scores: list[Scored] = []
-        prompt_text: str | None = None
-        prompt_logprobs: list[TokenLogprob] | None = None
-        if echo and logprobs is None:
-            prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
-            yield TokenDelta(prompt_text, prompt_ids[-1], echo=True)
-        with PeakMemory(self.loaded.device) as memory:
-            for item in self._decode(prompt_ids, plan, ledger, max_new_tokens, use_cache, logprobs=logprobs,
-                                     score_prompt=echo):
-                if isinstance(item, Scored):
-                    if item.in_prompt:
-                        prompt_scores.append(item)
-                        if len(prompt_scores) == len(prompt_ids):
-                            prompt_text, offsets = self.token_texts.offsets(prompt_ids)
-                            prompt_logprobs = [self.token_texts.entry(p, at) for p, at in zip(prompt_scores, offsets)]
-                            yield TokenDelta(prompt_text, prompt_ids[-1], tuple(prompt_logprobs), echo=True)
-                        continue
-                    token = item.token_id
-                    scored.append(self.token_texts.entry(item, whole))
-                else:
-                    token = item
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                tokens.append(token)
-                if token in self._eos_ids:
-                    break
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):
-                    whole = len(text)
-                stopped_at = _first_stop(text, stops)
-                if stopped_at >= 0:
-                    break
-                ready = len(text) - hold
-                if ready > len(text_so_far) and not text.endswith("\ufffd"):
-                    done = sent
-                    while done < len(scored) and scored[done].offset < ready:  # tokens whose text begins in it
-                        done += 1
-                    yield TokenDelta(text[len(text_so_far):ready], token, tuple(scored[sent:done]))
-                    text_so_far, sent = text[:ready], done
-            if self.loaded.device.type == "cuda":
-                torch.cuda.synchronize(self.loaded.device)
-            inferred = time.perf_counter()
+    def _stream_pieces(self, request: StreamRequest, plan: ExecutionPlan, ledger: ExecutionLedger,
+                       growing: CompletionText, prompt_echo: PromptEcho) -> Iterator[TokenDelta]:
+        """The decode loop of a request: each token into the growing completion, and the pieces ready to go out
+        (with echo and logprobs, first the prompt's, once the prefill scored all of it); stops at the end of
+        sequence, a stop sequence or the length."""
+        for item in self._decode(request.prompt_ids, plan, ledger, request.max_new_tokens, request.use_cache,
+                                 logprobs=request.logprobs, score_prompt=request.echo):
+            if isinstance(item, Scored):
+                if item.in_prompt:
+                    echoed = prompt_echo.add(item)
+                    if echoed is not None:
+                        yield TokenDelta(*echoed, echo=True)
+                    continue
+                piece = growing.add(item.token_id, item)
+            else:
+                piece = growing.add(item)
+            if growing.ended:
+                break
+            if piece is not None:
+                yield TokenDelta(*piece)
 
-            ended_by_eos = bool(tokens) and tokens[-1] in self._eos_ids
-            finish_reason = "stop" if ended_by_eos or stopped_at >= 0 else "length"
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            if stopped_at >= 0:
-                text = text[:stopped_at]
-                scored = [entry for entry in scored if entry.offset < stopped_at]  # as the text, cut before the stop
-            if len(text) > len(text_so_far):
-                yield TokenDelta(text[len(text_so_far):], tokens[-1], tuple(scored[sent:]))
-            served_ids = self._served_ids(tokens, text, stopped_at)
-            report = None
-            quality_s = 0.0
-            if check != "off":  # its own figure: the scoring is not part of this request's postprocessing
-                quality_started = time.perf_counter()
-                dense = None
-                if check == "full":
-                    # A stop sequence ended the answer where its text did: the dense reference is generated over
-                    # as many tokens, not over the text the client never received.
-                    reference_tokens = len(tokens) if stopped_at >= 0 else max_new_tokens
-                    dense = (list(self._decode(prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
-                             if plan.skips_work else tokens)
-                report = quality_report(self.instrumented, prompt_ids, served_ids, plan, self.loaded.device, dense)
-                if report is not None and dense is not None:  # where the served text leaves the dense text
-                    report = replace(report, divergence_at=divergence(
-                        served_ids, [t for t in dense if t not in self._eos_ids]))
-                quality_s = time.perf_counter() - quality_started
-            peak = memory.peak_bytes()
-        completion = len(tokens)
-        inference_s = inferred - preprocessed
+    def _check_quality(self, request: StreamRequest, plan: ExecutionPlan, completion: Completion,
+                       served_ids: list[int]) -> tuple[QualityReport | None, float]:
+        """(the request's quality report, seconds it took): none when its check is off; "full" also generates the
+        dense answer for the continuation figures and the divergence."""
+        if request.check == "off":  # its own figure: the scoring is not part of this request's postprocessing
+            return None, 0.0
+        quality_started = time.perf_counter()
+        dense = None
+        if request.check == "full":
+            # A stop sequence ended the answer where its text did: the dense reference is generated over
+            # as many tokens, not over the text the client never received.
+            reference_tokens = len(completion.tokens) if completion.stopped_at >= 0 else request.max_new_tokens
+            dense = (list(self._decode(request.prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
+                     if plan.skips_work else completion.tokens)
+        report = quality_report(self.instrumented, request.prompt_ids, served_ids, plan, self.loaded.device, dense)
+        if report is not None and dense is not None:  # where the served text leaves the dense text
+            report = replace(report, divergence_at=divergence(
+                served_ids, [t for t in dense if t not in self._eos_ids]))
+        return report, time.perf_counter() - quality_started
+
+    def _request_stats(self, request: StreamRequest, *, bypass_plan: BypassPlan | None, fallback: str | None,
+                       plan: ExecutionPlan, ledger: ExecutionLedger, completion: Completion,
+                       report: QualityReport | None, peak_memory_bytes: int, peak_memory_source: str,
+                       times: RequestTimes) -> RequestStats:
+        """The request's statistics; postprocessing_ms and quality_ms are filled in by the caller, last."""
+        tokens = len(completion.tokens)
+        inference_s = times.inferred - times.preprocessed
         dram_value, dram_source = self._dram_figure(plan, ledger)
-        decode_s = inferred - first_token_at if first_token_at else 0.0
-        stats = RequestStats(
-            request_id=request_id,
+        decode_s = times.inferred - times.first_token_at if times.first_token_at else 0.0
+        return RequestStats(
+            request_id=request.request_id,
             model=self.name,
             device=self.loaded.device.type,
             dtype=str(self.loaded.dtype).replace("torch.", ""),
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=completion,
-            preprocessing_ms=_ms(preprocessed - started),
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=tokens,
+            preprocessing_ms=_ms(times.preprocessed - times.started),
             inference_ms=_ms(inference_s),
             postprocessing_ms=0.0,
-            ttft_ms=_ms((first_token_at or inferred) - started),
-            decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
-            tokens_per_s=round(completion / inference_s, 3) if inference_s > 0 else 0.0,
-            sensitivity=sensitivity,
+            ttft_ms=_ms((times.first_token_at or times.inferred) - times.started),
+            decode_tokens_per_s=round((tokens - 1) / decode_s, 3) if tokens > 1 and decode_s > 0 else 0.0,
+            tokens_per_s=round(tokens / inference_s, 3) if inference_s > 0 else 0.0,
+            sensitivity=request.sensitivity,
             pruning_ratio=round(ledger.pruning_ratio, 6),
             prefill_pruning_ratio=round(ledger.prefill_pruning_ratio, 6),
             decode_pruning_ratio=round(ledger.decode_pruning_ratio, 6),
@@ -617,18 +644,12 @@ class PruningEngine:
             signals=bypass_plan.signals.as_dict() if bypass_plan else None,
             quality_flags=self._quality_flags(ledger.pruning_ratio, report),
             quality=report,
-            peak_memory_bytes=peak,
-            peak_memory_source=memory.source,
+            peak_memory_bytes=peak_memory_bytes,
+            peak_memory_source=peak_memory_source,
             dram_bytes_per_instruction=dram_value,
             dram_source=dram_source,
-            finish_reason=finish_reason,
+            finish_reason=completion.finish_reason,
         )
-        self._log(stats, bypass_plan, log_level)
-        stats.quality_ms = _ms(quality_s)
-        stats.postprocessing_ms = _ms(time.perf_counter() - inferred - quality_s)
-        yield GenerationResult(text=text, token_ids=tokens, stats=stats, served_ids=served_ids,
-                               logprobs=scored if logprobs is not None else None,
-                               prompt_logprobs=prompt_logprobs, prompt_text=prompt_text)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Run one request to completion; see `stream` for the parameters."""
@@ -708,10 +729,11 @@ class PruningEngine:
         """The answer's tokens as the client received them: end of sequence left out, and an answer cut by a
         stop sequence re-tokenized from its text (the tokens past the cut were never served)."""
         if stopped_at >= 0:
-            return list(self.loaded.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+            tokenizer: Any = self.loaded.tokenizer
+            return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
         return [t for t in tokens if t not in self._eos_ids]
 
-    def _quality_flags(self, ratio: float, report) -> list[str]:
+    def _quality_flags(self, ratio: float, report: QualityReport | None) -> list[str]:
         flags = []
         if ratio > self.settings.ratio_red_line:
             flags.append("ratio_above_red_line")

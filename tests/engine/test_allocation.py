@@ -13,15 +13,11 @@ import torch
 from prunewatch.engine.errors import CalibrationMismatchError
 from prunewatch.engine.execution import instrument
 from prunewatch.engine.loading import weights_fingerprint
-from prunewatch.engine.sparse.calibration import (
-    LEVELS,
-    SparsityCalibration,
-    calibrate_sparsity_on_texts,
-    greedy_allocation,
-    sparsity_calibration_path,
-    text_digest,
-)
+from prunewatch.engine.sparse.allocation import greedy_allocation
+from prunewatch.engine.sparse.calibration import SparsityCalibration, calibrate_sparsity_on_texts, text_digest
+from prunewatch.engine.sparse.calibration_cache import sparsity_calibration_path
 from prunewatch.engine.sparse.targets import find_sparse_targets, in_out
+from prunewatch.engine.sparse.thresholds import LEVELS
 from prunewatch.probes import load_calibration_set
 from tests.conftest import calibration_inputs
 
@@ -148,10 +144,8 @@ def test_engine_calibrates_the_plan_its_settings_select(tmp_path, probe_model_di
     """Engine defaults: the greedy plan, protecting blacklisted and transition blocks; a cached plan
     made for other protected blocks is recalibrated, not reused."""
     from prunewatch.engine import EngineSettings, PruningEngine
-    from prunewatch.engine.sparse.calibration import (
-        load_or_calibrate_sparsity,
-        sparsity_protected_layers,
-    )
+    from prunewatch.engine.sparse.allocation import sparsity_protected_layers
+    from prunewatch.engine.sparse.calibration_cache import load_or_calibrate_sparsity
 
     texts, digest = calibration_inputs()
     texts, digest = {domain: group[:2] for domain, group in texts.items()}, f"{digest[:12]}-two-per-domain"

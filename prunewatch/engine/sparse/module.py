@@ -24,9 +24,9 @@ from prunewatch.engine.execution import (
     ExecutionPlan,
     current_execution,
 )
-from prunewatch.engine.sparse.calibration import LayerThresholds
 from prunewatch.engine.sparse.kernel import device_kernel
 from prunewatch.engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
+from prunewatch.engine.sparse.thresholds import LayerThresholds
 
 
 class SparsityOptions(BaseModel):
