@@ -206,12 +206,16 @@ class StoreSeries:
                         entry = groups[key] = GaugeSeries(labels_of(**{NAME: family}, **dict(key[1])))
                     entry.times.append(r.created_at.timestamp())
                     entry.values.append(float(value))
+        # The latency windows change only in baseline rounds (every N-th round), while the collector exports
+        # their last values all along: each later result of the same target, model and domain samples them
+        # again, as a scrape would, so they do not fall out of the lookback between baseline rounds.
         latency = LatencyWindows()
+        current: dict[tuple[str, str, str], dict[str, dict[tuple[str, ...], float]]] = {}
         for r in self.results:
             changed = latency.add(r)
-            if changed is None:
-                continue
-            for family, samples in latency_samples(changed).items():
+            if changed is not None:
+                current[(r.target, r.model, r.domain)] = latency_samples(changed)
+            for family, samples in current.get((r.target, r.model, r.domain), {}).items():
                 for key_values, value in samples.items():
                     names = ("phase", "bound") if family == LATENCY_VS_DENSE else ("phase",)
                     key = (family, (("model", r.model), ("domain", r.domain), ("target", r.target))

@@ -98,3 +98,24 @@ def test_real_collector_results_map_to_the_collector_metrics(collected_sqlite: s
         engine.dispose()
     assert len(results) >= 6 and all(r.ok for r in results)
     assert_same(results)
+
+
+def test_the_latency_window_stays_present_between_baseline_rounds() -> None:
+    """The collector keeps exporting the last paired ratio; the replay samples it again at every later result of
+    the same target, model and domain, so a rule's `for:` can span the rounds between two baseline rounds."""
+    results = []
+    for step, (probe, baseline) in enumerate((("legal-1", False), ("legal-1", True), ("legal-2", True),
+                                              ("legal-2", False))):
+        run = result(T0 + timedelta(seconds=step), "legal", probe)
+        run.round_id, run.baseline, run.sensitivity = "b" * 32, baseline, 0.0 if baseline else 0.5
+        run.decode_tokens_per_s = 25.0 if baseline else 10.0
+        results.append(run)
+    later = [result(T0 + timedelta(minutes=m), "legal", "legal-1") for m in (4, 8, 12)]  # ordinary rounds
+    for r in later:
+        r.round_id, r.sensitivity = f"{len(results):032d}", 0.5
+        results.append(r)
+    (low,) = [s for s in StoreSeries(results).gauges("prunewatch_latency_vs_dense_window")
+              if ("bound", "low") in s.labels and ("phase", "decode") in s.labels]
+    assert low.times[-3:] == [r.created_at.timestamp() for r in later]
+    assert low.values[0] == 0.0  # one pair: no claim on the spread
+    assert low.values[-4:] == [2.5] * 4  # two pairs, both 2.5x dense: so is the lower bound, held since
