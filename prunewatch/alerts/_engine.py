@@ -258,13 +258,17 @@ class Engine:
             raise UnsupportedExpression(
                 f"{func}() over recording rule {metric}: the embedded evaluator keeps no recorded history")
         kind = self._kind(metric)
-        candidates = self.source.gauges(metric) if kind == "gauge" else self.source.counters(metric)
-        series: list[GaugeSeries] | list[CounterSeries] = [s for s in candidates if _matching(matchers, s.labels)]
+        # A metric is either a gauge or a counter: one of these two lists stays empty.
+        gauges: list[GaugeSeries] = []
+        counters: list[CounterSeries] = []
+        if kind == "gauge":
+            gauges = [s for s in self.source.gauges(metric) if _matching(matchers, s.labels)]
+        else:
+            counters = [s for s in self.source.counters(metric) if _matching(matchers, s.labels)]
         range_s = arg.range.total_seconds()
         start, end = self.at - range_s, self.at
         if func == "absent_over_time":
-            present = any(s.window(start, end) for s in series) if kind == "gauge" else \
-                any(s.any_in(start, end) for s in series)
+            present = any(s.window(start, end) for s in gauges) or any(s.any_in(start, end) for s in counters)
             if present:
                 return []
             labels = {m.name: m.value for m in matchers if m.op == "=" and m.name != NAME}
@@ -273,24 +277,25 @@ class Engine:
             if kind != "counter":
                 raise UnsupportedExpression(f"{func}() over gauge {metric}")
             out = []
-            for s in series:
-                if s.exists_at(end):
-                    increase = s.increase(start, end)
-                    out.append(Sample(_drop(s.labels, NAME), increase / range_s if func == "rate" else increase))
+            for counter in counters:
+                if counter.exists_at(end):
+                    increase = counter.increase(start, end)
+                    out.append(Sample(_drop(counter.labels, NAME), increase / range_s if func == "rate" else increase))
             return out
         if kind != "gauge":
             raise UnsupportedExpression(
                 f"{func}() over counter {metric}: stored results are events, not scraped samples; "
                 "use rate() or increase()")
-        reduce: Callable[[list[float]], float] = {
+        reducers: dict[str, Callable[[list[float]], float]] = {
             "avg_over_time": lambda v: math.fsum(v) / len(v), "min_over_time": min, "max_over_time": max,
             "sum_over_time": math.fsum, "count_over_time": lambda v: float(len(v)), "last_over_time": lambda v: v[-1],
-        }[func]
+        }
+        reduce = reducers[func]
         out = []
-        for s in series:
-            values = s.window(start, end)
+        for gauge in gauges:
+            values = gauge.window(start, end)
             if values:
-                out.append(Sample(_drop(s.labels, NAME), float(reduce(values))))
+                out.append(Sample(_drop(gauge.labels, NAME), float(reduce(values))))
         return out
 
     def _histogram_quantile(self, q: float, vector: Vector) -> Vector:
@@ -329,14 +334,19 @@ class Engine:
         lhs, rhs = self.eval(node.lhs), self.eval(node.rhs)
         op = str(node.op)
         if op in SET_OPERATORS:
-            return _set_operation(op, node.modifier, lhs, rhs)  # type: ignore[arg-type]
+            if not (isinstance(lhs, list) and isinstance(rhs, list)):  # the library rejects these on scalars
+                raise UnsupportedExpression(f"{op} needs an instant vector on both sides")
+            return _set_operation(op, node.modifier, lhs, rhs)
         is_cmp = op in COMPARISONS
         bool_modifier = node.modifier is not None and node.modifier.return_bool
-        if isinstance(lhs, float) and isinstance(rhs, float):  # the library requires bool on a scalar comparison
+        if isinstance(lhs, list):
+            if isinstance(rhs, list):
+                return _vector_vector(op, node.modifier, lhs, rhs)
+            vector, scalar, swapped = lhs, rhs, False
+        elif isinstance(rhs, list):
+            vector, scalar, swapped = rhs, lhs, True
+        else:  # two scalars: the library requires bool on a scalar comparison
             return float(_COMPARE[op](lhs, rhs)) if is_cmp else _ARITHMETIC[op](lhs, rhs)
-        if isinstance(lhs, list) and isinstance(rhs, list):
-            return _vector_vector(op, node.modifier, lhs, rhs)
-        vector, scalar, swapped = (lhs, rhs, False) if isinstance(lhs, list) else (rhs, lhs, True)
         out = []
         for s in vector:
             a, b = (scalar, s.value) if swapped else (s.value, scalar)

@@ -123,6 +123,10 @@ def run_clients(url: str, headers: dict[str, str], model: str, prompts: list[lis
     return samples, time.perf_counter() - began  # includes requests started before the deadline
 
 
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def summarise(phase: str, sensitivity: str | None, clients: int, samples: list[Sample],
               elapsed: float) -> PhaseReport:
     ok = [s for s in samples if s.status == 200]
@@ -136,8 +140,8 @@ def summarise(phase: str, sensitivity: str | None, clients: int, samples: list[S
         requests=len(samples), ok=len(ok), errors=dict(errors),
         requests_per_s=round(len(ok) / elapsed, 3),
         completion_tokens_per_s=round(sum(s.completion_tokens for s in ok) / elapsed, 3),
-        latency_p50_ms=round(nearest_rank(latencies, 0.50), 1) if latencies else None,
-        latency_p99_ms=round(nearest_rank(latencies, 0.99), 1) if latencies else None,
+        latency_p50_ms=_rounded(nearest_rank(latencies, 0.50), 1),
+        latency_p99_ms=_rounded(nearest_rank(latencies, 0.99), 1),
         mean_pruning_ratio=round(sum(ratios) / len(ratios), 4) if ratios else None,
         mean_inference_ms=round(sum(inference) / len(inference), 1) if inference else None,
         mean_queue_ms=round(sum(queued) / len(queued), 1) if queued else None,
@@ -155,8 +159,9 @@ def run_phases(url: str, api_key: str | None, model: str, prompts: list[list[dic
     for r in range(rounds):
         for name in (("pruned", "dense") if r % 2 == 0 else ("dense", "pruned")):
             headers = dict(base)
-            if phases[name] is not None:
-                headers["X-Pruning-Sensitivity"] = phases[name]
+            phase_sensitivity = phases[name]
+            if phase_sensitivity is not None:
+                headers["X-Pruning-Sensitivity"] = phase_sensitivity
             samples, elapsed = run_clients(url, headers, model, prompts, clients=clients,
                                            duration_s=duration_s / rounds, max_tokens=max_tokens,
                                            timeout_s=timeout_s)

@@ -39,6 +39,7 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import Field
@@ -62,6 +63,9 @@ from prunewatch.engine.settings import OUTPUT_HEAD_FULL_AT
 from prunewatch.engine.sparse.calibration import SparsityCalibration
 from prunewatch.engine.sparse.calibration_cache import sparsity_calibration_path
 from prunewatch.probes import load_calibration_set
+
+if TYPE_CHECKING:
+    from prunewatch.engine.pruning_engine import PruningEngine
 
 AGREEMENT_RANGE = (0.90, 0.99)
 DOUBLE_FROM = 0.95  # at agreement >= this, the default's ratio must be >= 2x TEAL-uniform's
@@ -214,7 +218,7 @@ def run(points: tuple[FrontierPoint, ...], out: Path, plot: Path | None, *, mode
     bases = {variant: engine.settings for variant, engine in engines.items()}
     chosen = probe_set.probes[:probes] if probes else probe_set.probes
 
-    def configure(point: FrontierPoint):
+    def configure(point: FrontierPoint) -> PruningEngine:
         engine = engines[point.variant]
         engine.settings = bases[point.variant].model_copy(update={
             "influence_budget": point.influence_budget, "head_budget": point.head_budget,

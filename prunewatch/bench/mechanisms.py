@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +36,9 @@ from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.quality import heldout_perplexity_delta
 from prunewatch.probes import heldout_texts
 from prunewatch.records.intervals import bootstrap_rate, bootstrap_share
+
+if TYPE_CHECKING:
+    from prunewatch.engine.pruning_engine import PruningEngine
 
 RESULTS = RESULTS_DIR
 QUALITY_METHOD = {
@@ -219,7 +222,10 @@ def _configured(base, config: Mechanisms, sensitivity: float):
     })
 
 
-def measure_points(points: Sequence[Mechanisms], probes: Sequence, configure: Callable[[Mechanisms], object], *,
+PointT = TypeVar("PointT", bound=Mechanisms)
+
+
+def measure_points(points: Sequence[PointT], probes: Sequence, configure: Callable[[PointT], PruningEngine], *,
                    max_new_tokens: int, desc: str, heldout: bool = True
                    ) -> tuple[dict[str, list[ServedAnswer]], dict[str, float]]:
     """Every point on every prompt, interleaved, each served answer scored against the dense model and by the
@@ -255,7 +261,7 @@ def run(grid: tuple[Mechanisms, ...], out: Path, plot: Path | None, *, model_dir
     chosen = probe_set.probes[:probes] if probes else probe_set.probes
     base = engine.settings
 
-    def configure(config: Mechanisms):
+    def configure(config: Mechanisms) -> PruningEngine:
         engine.settings = _configured(base, config, sensitivity)
         return engine
 
@@ -313,8 +319,9 @@ def write_plot(result: dict, path: Path) -> None:
     for row in result["rows"]:
         kinds = [k for k, v in (("bypass", row["influence_budget"]), ("heads", row["head_budget"]),
                                 ("sparsity", row["activation_sparsity_budget"])) if v > 0]
-        color = {("bypass",): "tab:blue", ("heads",): "tab:orange", ("sparsity",): "tab:green"}.get(
-            tuple(kinds), "tab:purple" if kinds else "black")
+        single: dict[tuple[str, ...], str] = {("bypass",): "tab:blue", ("heads",): "tab:orange",
+                                               ("sparsity",): "tab:green"}
+        color = single.get(tuple(kinds), "tab:purple" if kinds else "black")
         agreement_bar(agree, row, color)
         for axis, key in ((agree, "agreement"), (ppl, "heldout_perplexity_delta_pct")):
             axis.scatter(row["decode_pruning_ratio"], row[key], color=color, s=40, zorder=3)

@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +55,12 @@ from prunewatch.bench.served import ServedModel
 from prunewatch.bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
 from prunewatch.bench.step_products import capture_step, median_ms, replay, time_replay
 from prunewatch.engine.model_store import DEFAULT_MODEL, PROBE_MODEL_DIR, models_root
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan
+    from prunewatch.engine.pruning_engine import PruningEngine
 
 logger = logging.getLogger("prunewatch.bench.speed")
 
@@ -191,8 +198,12 @@ class _Stamps:
         pass
 
 
-def plain_decode_rate(model: torch.nn.Module, prompt_ids: Sequence[int], new_tokens: int) -> float:
+def plain_decode_rate(model: PreTrainedModel, prompt_ids: Sequence[int], new_tokens: int) -> float:
     """Decode tokens/s of transformers' own greedy `generate` (first token to last), fixed length."""
+    from transformers import GenerationMixin
+
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{type(model).__name__} has no generate(): plain decoding needs a causal LM")
     stamps = _Stamps()
     ids = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)  # (1, T)
     with torch.no_grad():
@@ -204,11 +215,15 @@ def plain_decode_rate(model: torch.nn.Module, prompt_ids: Sequence[int], new_tok
 # -- one model ------------------------------------------------------------------------------------
 
 
+_RunOutcome = tuple[float, "ExecutionLedger | None", "list[int] | None"]
+"""One timed run: decode tokens/s, and for an engine run its ledger and generated tokens (None for the others)."""
+
+
 @dataclass
 class _Subject:
     name: str
-    engine: object  # PruningEngine, with activation sparsity installed
-    plain: torch.nn.Module  # the same weights in plain transformers, never wrapped
+    engine: PruningEngine  # with activation sparsity installed
+    plain: PreTrainedModel  # the same weights in plain transformers, never wrapped
     prompt_ids: list[int]
     facts: dict
     model_dir: Path | None = None  # the folder `prunewatch serve` can load (None: the random-weight shape)
@@ -240,8 +255,8 @@ def _load_shape(shape, calibration_dir: Path, seed: int = 0, texts_per_domain: i
 
     place = torch.device(device)
     dtype = torch.float32 if place.type == "cpu" else torch.bfloat16  # as prunewatch.engine.loading serves each device
-    model = build_speed_model(shape, seed).to(place, dtype)
-    plain = build_speed_model(shape, seed).to(place, dtype)
+    model = build_speed_model(shape, seed, place, dtype)
+    plain = build_speed_model(shape, seed, place, dtype)
     tokenizer = AutoTokenizer.from_pretrained(PROBE_MODEL_DIR)
     name = f"llama-{sum(p.numel() for p in plain.parameters()) / 1e9:.2f}B-random"
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, path=PROBE_MODEL_DIR,
@@ -254,7 +269,7 @@ def _load_shape(shape, calibration_dir: Path, seed: int = 0, texts_per_domain: i
     return _Subject(name, engine, plain, engine.render_prompt(PROMPT), _facts(plain, f"random (seed {seed})"))
 
 
-def _facts(model: torch.nn.Module, weights: str) -> dict:
+def _facts(model: PreTrainedModel, weights: str) -> dict:
     params = sum(p.numel() for p in model.parameters())
     config = model.config
     return {"params": params, "weights": weights, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
@@ -278,7 +293,7 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
                                  prompt_text=PROMPT)
     _, fallback = engine.plan(subject.prompt_ids, engine.settings.sensitivity, list(engine.settings.layer_blacklist),
                               prompt_text=PROMPT)
-    runs = {
+    runs: dict[str, Callable[[], _RunOutcome]] = {
         "plain": lambda: (plain_decode_rate(subject.plain, subject.prompt_ids, new_tokens), None, None),
         "dense": lambda: _engine_run(engine, subject.prompt_ids, ExecutionPlan(), new_tokens, False),
         "pruned": lambda: _engine_run(engine, subject.prompt_ids, plan, new_tokens, False),
@@ -306,7 +321,7 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
     products = StepReplays.capture(subject, plan)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     products_ms: dict[str, list[float]] = {name: [] for name in runs}  # per round: its products, right after it
-    ledgers: dict[str, object] = {}
+    ledgers: dict[str, ExecutionLedger] = {}
     tokens: dict[str, list[int]] = {}
     samples: list[float] = []
     paired: dict[str, list[float]] = {name: [] for name in runs}  # per round: mean of the samples beside the run
@@ -316,9 +331,9 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
         for name in names[r % len(names):] + names[:r % len(names)]:
             rate, ledger, generated = runs[name]()
             rates[name].append(rate)
-            if ledger is not None:
+            if ledger is not None and generated is not None:  # an engine run: both or neither
                 ledgers[name], tokens[name] = ledger, generated
-            if before is not None:
+            if bandwidth is not None and before is not None:
                 after = bandwidth()
                 samples.append(before)
                 paired[name].append((before + after) / 2)
@@ -376,7 +391,8 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
         row.products_ms_per_token = round(statistics.median(products_ms[name]), 3)
         row.rest_ms_per_token = round(statistics.median(
             1e3 / rate - replayed for rate, replayed in zip(rates[name], products_ms[name])), 3)
-        if pruned is not None:  # within rounds, against the dense plan's products replayed beside its dense run
+        if pruned is not None and row.bound is not None:  # within rounds, against the dense plan's products
+            # replayed beside its dense run (row.bound is set for every pruned run above)
             dense_name = name.replace("pruned", "dense")
             row.products_speedup_vs_dense = round(statistics.median(
                 dense / pruned_ms for dense, pruned_ms in zip(products_ms[dense_name], products_ms[name])), 4)
@@ -414,8 +430,9 @@ class StepReplays:
             "dense": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, dense, 3, compiled=False)),
             "pruned": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, plan, 3, compiled=False)),
         }
-        contexts = {"plain": contextlib.nullcontext, "dense": lambda: executing(dense, ExecutionLedger()),
-                    "pruned": lambda: executing(plan, ExecutionLedger())}
+        contexts: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+            "plain": contextlib.nullcontext, "dense": lambda: executing(dense, ExecutionLedger()),
+            "pruned": lambda: executing(plan, ExecutionLedger())}
         for name, products in captured.items():
             for (module, _), step_output, replayed in zip(products.calls, products.outputs,
                                                           replay(products, contexts[name])):
@@ -452,7 +469,8 @@ def _sparsity_and_share(pruned, dense_bytes: int, steps: int, element: int, head
     return s, f
 
 
-def _engine_run(engine, prompt_ids: list[int], plan, new_tokens: int, compiled: bool):
+def _engine_run(engine: PruningEngine, prompt_ids: list[int], plan: ExecutionPlan, new_tokens: int,
+                compiled: bool) -> _RunOutcome:
     measurement = engine.measure_decode(prompt_ids, plan, new_tokens, compiled=compiled)
     return measurement.decode_tokens_per_s, measurement.ledger, measurement.tokens
 

@@ -11,7 +11,7 @@ import argparse
 import hmac
 import sys
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, SupportsFloat
 
 import pandas as pd
 import streamlit as st
@@ -88,15 +88,22 @@ def current_window(days: int, now: datetime | None = None) -> Window:
     return Window(start=end - timedelta(days=days), end=end)
 
 
+def _number(bound: object) -> float:
+    """An annotated_types bound (typed only as comparable) as a float; the assumptions' bounds are numbers."""
+    if not isinstance(bound, SupportsFloat):
+        raise TypeError(f"assumption bound {bound!r} is not a number")
+    return float(bound)
+
+
 def _bounds(name: str) -> tuple[float | None, float | None]:
     low = high = None
     for item in Assumptions.model_fields[name].metadata:
         if isinstance(item, Ge):
-            low = float(item.ge)
+            low = _number(item.ge)
         elif isinstance(item, Gt):
-            low = float(item.gt) + (0.01 if name.endswith("_usd") else 0.001)
+            low = _number(item.gt) + (0.01 if name.endswith("_usd") else 0.001)
         elif isinstance(item, Le):
-            high = float(item.le)
+            high = _number(item.le)
     return low, high
 
 

@@ -90,8 +90,9 @@ def sensitivity_chart(rows: Sequence[SensitivityRow], pct: float, base_usd: floa
     moved = [row for row in rows if row.swing > 0]
     order = [row.label for row in moved]
     down, up = f"input -{pct:g}%", f"input +{pct:g}%"
-    spans = pd.DataFrame([{"Input": r.label, "low": min(r.savings_low, r.savings_high),  # type: ignore[type-var]
-                           "high": max(r.savings_low, r.savings_high)} for r in moved],  # type: ignore[type-var]
+    known = [(r.label, r.savings_low, r.savings_high) for r in moved  # swing > 0: both savings are known
+             if r.savings_low is not None and r.savings_high is not None]
+    spans = pd.DataFrame([{"Input": label, "low": min(low, high), "high": max(low, high)} for label, low, high in known],
                          columns=["Input", "low", "high"])
     ends = pd.DataFrame([{"Input": r.label, "Move": move, "Savings ($/month)": value}
                          for r in moved for move, value in ((down, r.savings_low), (up, r.savings_high))],
@@ -107,4 +108,5 @@ def sensitivity_chart(rows: Sequence[SensitivityRow], pct: float, base_usd: floa
                         legend=alt.Legend(orient="bottom")),
         tooltip=["Input:N", "Move:N", alt.Tooltip("Savings ($/month):Q", format="$,.2f")]).properties(height=height)
     base = alt.Chart(pd.DataFrame([{"base": base_usd}])).mark_rule(strokeDash=[4, 4]).encode(x="base:Q")
-    return alt.layer(span, dots, base).properties(height=height)
+    # LayerChart directly: alt.layer() may return a FacetChart, which it does only for facet encodings (none here).
+    return alt.LayerChart(layer=[span, dots, base]).properties(height=height)

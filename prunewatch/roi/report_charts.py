@@ -11,6 +11,7 @@ import io
 from collections.abc import Sequence
 from datetime import timedelta
 
+from matplotlib.axes import Axes
 from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
@@ -29,7 +30,7 @@ def _png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def _figure(width_in: float = 6.4, height_in: float = 3.0) -> tuple[Figure, object]:
+def _figure(width_in: float = 6.4, height_in: float = 3.0) -> tuple[Figure, Axes]:
     figure = Figure(figsize=(width_in, height_in))
     axes = figure.add_subplot()
     axes.spines[["top", "right"]].set_visible(False)
