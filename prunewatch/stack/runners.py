@@ -11,6 +11,7 @@ does not depend on how the top-level `prunewatch` app mounts its commands.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -19,11 +20,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 @app.command("serve")
 def serve_command(
-    model: Path = typer.Option(..., help="Local Hugging Face model folder."),
-    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-    port: int = typer.Option(8000, min=1, max=65535, help="TCP port."),
-    device: str = typer.Option("cpu", help="auto, cpu or cuda."),
-    calibration_dir: Path = typer.Option(None, help="Calibration cache (default: the engine's)."),
+    model: Annotated[Path, typer.Option(help="Local Hugging Face model folder.")],
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "cpu",
+    calibration_dir: Annotated[Path | None, typer.Option(help="Calibration cache (default: the engine's).")] = None,
 ) -> None:
     """The engine's OpenAI-compatible server (API keys from PRUNEWATCH_API_KEYS_FILE)."""
     from prunewatch.server import serve
