@@ -33,7 +33,8 @@ def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["aut
     this thread's OpenMP team, as generations run on generation threads (prunewatch/engine/threads.py)."""
     from prunewatch.probes import CALIBRATION_PATH, load_calibration_set
 
-    unset = {"calibration_dir": calibration_dir, "threads": threads}  # None: PRUNEWATCH_ENGINE_*, else the default
+    # None: PRUNEWATCH_ENGINE_*, else the default
+    unset: dict[str, Any] = {"calibration_dir": calibration_dir, "threads": threads}
     engine = PruningEngine.load(EngineSettings(
         model_dir=Path(model_dir), device=device, sensitivity=sensitivity, log_level=log_level,
         **{name: value for name, value in unset.items() if value is not None},
@@ -79,7 +80,7 @@ def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivit
 
     from prunewatch.server.app import create_app
 
-    overrides: dict[str, object] = {"host": host, "port": port}
+    overrides: dict[str, Any] = {"host": host, "port": port}
     if queue_depth is not None:
         overrides["queue_depth"] = queue_depth
     if workers is not None:
