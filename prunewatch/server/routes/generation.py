@@ -6,7 +6,7 @@ the checked request and answers it as JSON, or as server-sent events when `strea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,13 +36,13 @@ _SSE = {"text/event-stream": {"schema": {
 
 def pruning(
     request: Request,
-    sensitivity: str | None = Header(None, alias=ph.SENSITIVITY, description="0..1; 0 runs the dense model."),
-    log_level: str | None = Header(None, alias=ph.LOG_LEVEL, description="NONE, SUMMARY or DETAILED."),
-    blacklist: str | None = Header(None, alias=ph.BLACKLIST,
-                                   description="Comma-separated layer indices never bypassed."),
-    quality: str | None = Header(None, alias=ph.QUALITY, description=(
+    sensitivity: Annotated[str | None, Header(alias=ph.SENSITIVITY, description="0..1; 0 runs the dense model.")] = None,
+    log_level: Annotated[str | None, Header(alias=ph.LOG_LEVEL, description="NONE, SUMMARY or DETAILED.")] = None,
+    blacklist: Annotated[str | None, Header(alias=ph.BLACKLIST,
+                                            description="Comma-separated layer indices never bypassed.")] = None,
+    quality: Annotated[str | None, Header(alias=ph.QUALITY, description=(
         "on: also score this answer against the dense model (token agreement, perplexity delta; "
-        "costs a dense re-run, reported as quality_ms). off or absent: no check.")),
+        "costs a dense re-run, reported as quality_ms). off or absent: no check."))] = None,
 ) -> ph.PruningRequest:
     """The X-Pruning-* request headers, declared once for every generating route.
 
@@ -52,6 +52,9 @@ def pruning(
     """
     del sensitivity, log_level, blacklist, quality
     return ph.parse_request_headers(request.headers, state.engine(request).num_layers)
+
+
+PruningHeaders = Annotated[ph.PruningRequest, Depends(pruning)]
 
 
 async def _respond(service: CompletionService, spec: GenerationSpec) -> Response:
@@ -68,7 +71,7 @@ async def _respond(service: CompletionService, spec: GenerationSpec) -> Response
 async def chat_completions(
     request: Request,
     body: ChatCompletionRequest,
-    overrides: ph.PruningRequest = Depends(pruning),
+    overrides: PruningHeaders,
 ) -> Response:
     """Chat completion, streamed as server-sent events when `stream` is true."""
     service = state.service(request)
@@ -78,7 +81,7 @@ async def chat_completions(
 async def completions(
     request: Request,
     body: CompletionRequest,
-    overrides: ph.PruningRequest = Depends(pruning),
+    overrides: PruningHeaders,
 ) -> Response:
     """Text completion: the prompt is continued as given, without the chat template."""
     service = state.service(request)
@@ -88,7 +91,7 @@ async def completions(
 async def batch(
     request: Request,
     body: BatchRequest,
-    overrides: ph.PruningRequest = Depends(pruning),
+    overrides: PruningHeaders,
 ) -> JSONResponse:
     """Several requests in one call, each pruned independently with its own stats.
 
