@@ -6,11 +6,12 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import typer
 
 from prunewatch.cli_errors import fail, first_validation_error, needs_extra
+from prunewatch.commands.serve import DEFAULT_DEVICE, serve_model
 from prunewatch.engine.model_store import PROBE_MODEL_DIR
 from prunewatch.models_cli import MODEL_HELP, main_job_model, model_folder, models_app
 
@@ -197,7 +198,7 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
     sensitivity: Annotated[float, typer.Option(help="Default pruning sensitivity in [0, 1] (X-Pruning-Sensitivity overrides).")] = 0.5,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = DEFAULT_DEVICE,
     queue_depth: Annotated[int | None, typer.Option(help="Requests waiting + running before 429 (default 64).")] = None,
     workers: Annotated[int | None, typer.Option(help="Requests generated at once.")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of each generation (default: the cores shared among "
@@ -205,23 +206,8 @@ def serve_command(
     probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
-    from pydantic import ValidationError
-
-    from prunewatch.engine.errors import EngineError
-    from prunewatch.probes import ProbeFileError
-    from prunewatch.server import ServeAddressError, bind_listener, serve
-
-    devices: dict[str, Literal["auto", "cpu", "cuda"]] = {"auto": "auto", "cpu": "cpu", "cuda": "cuda"}
-    if device not in devices:
-        raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
-    try:
-        listener = bind_listener(host, port)  # before the model is fetched or loaded: a taken port fails at once
-        serve(model_folder(model), host=host, port=port, sensitivity=sensitivity, device=devices[device], queue_depth=queue_depth,
-              workers=workers, probes_path=probes, listener=listener, threads=threads)
-    except ValidationError as exc:
-        raise fail(first_validation_error(exc))
-    except (EngineError, ProbeFileError, ServeAddressError) as exc:
-        raise fail(str(exc))
+    serve_model(model, host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
+                workers=workers, threads=threads, probes=probes)
 
 
 def _run_bench(bench_main: Callable[[list[str]], int], args: list[str]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
@@ -19,11 +20,11 @@ from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 
 
 def render_rules_command(
-    out: Path = typer.Option(None, "--out", help="Write the rule file here (default: print it)."),
-    check: bool = typer.Option(False, "--check", help="Do not write: exit 1 when --out differs from the rendering."),
-    settings_file: Path = typer.Option(
-        None, "--settings", help="YAML of RuleSettings fields: fallbacks, hold times, optional SLOs (PRUNEWATCH_RULE_* "
-                                 "variables win over it). Each model's measured thresholds are series, not settings."),
+    out: Annotated[Path | None, typer.Option("--out", help="Write the rule file here (default: print it).")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Do not write: exit 1 when --out differs from the rendering.")] = False,
+    settings_file: Annotated[Path | None, typer.Option(
+        "--settings", help="YAML of RuleSettings fields: fallbacks, hold times, optional SLOs (PRUNEWATCH_RULE_* "
+                           "variables win over it). Each model's measured thresholds are series, not settings.")] = None,
 ) -> None:
     """Render rules.yml from the PromQL constants and the rule settings (PRUNEWATCH_RULE_* variables, --settings file):
     one file for every model, whose measured thresholds it reads as series."""
@@ -66,8 +67,9 @@ def render_rules_command(
 
 
 def check_command(
-    rules: Path = typer.Option(RULES_PATH, "--rules", help="Rule file to check."),
-    alertmanager: Path = typer.Option(ALERTMANAGER_PATH, "--alertmanager", help="Alertmanager config (inhibit rules)."),
+    rules: Annotated[Path, typer.Option("--rules", help="Rule file to check.")] = RULES_PATH,
+    alertmanager: Annotated[Path, typer.Option(
+        "--alertmanager", help="Alertmanager config (inhibit rules).")] = ALERTMANAGER_PATH,
 ) -> None:
     """List which alert rules the embedded evaluator runs and which only Prometheus can (with the reason)."""
     from prunewatch.alerts.inhibit import load_inhibit_rules
@@ -104,8 +106,9 @@ def _range_dir(ranges: Path | None) -> Path:
 
 
 def thresholds_command(
-    ranges: Path = typer.Option(None, "--ranges", help=RANGES_HELP),
-    model: str = typer.Option(None, "--model", help="Only this model (the `model` label its results carry)."),
+    ranges: Annotated[Path | None, typer.Option("--ranges", help=RANGES_HELP)] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Only this model (the `model` label its results carry).")] = None,
 ) -> None:
     """Show each model's measured alert thresholds and how each was obtained (what `prunewatch_alert_threshold`
     exports); a model not listed is alerted on the rule file's fallbacks."""
@@ -127,10 +130,11 @@ def thresholds_command(
 
 
 def eval_command(
-    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store."),
-    rules: Path = typer.Option(RULES_PATH, "--rules", help="Rule file to evaluate."),
-    at: str = typer.Option(None, "--at", help="Evaluation time, ISO 8601 (default: now, UTC)."),
-    ranges: Path = typer.Option(None, "--ranges", help=RANGES_HELP),
+    db: Annotated[str, typer.Option(
+        "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the result store.")] = DEFAULT_STORE_URL,
+    rules: Annotated[Path, typer.Option("--rules", help="Rule file to evaluate.")] = RULES_PATH,
+    at: Annotated[str | None, typer.Option("--at", help="Evaluation time, ISO 8601 (default: now, UTC).")] = None,
+    ranges: Annotated[Path | None, typer.Option("--ranges", help=RANGES_HELP)] = None,
 ) -> None:
     """Evaluate every rule once over the store, with each model's measured thresholds, and show the alerts whose
     condition holds with their annotations (nothing is posted)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
+from typing import Annotated, cast
 
 import typer
 
@@ -31,17 +32,24 @@ def configure_logging(verbose: bool) -> None:
 
 
 def collect_command(
-    config: Path = typer.Option(..., "--config", "-c", help="Targets file (YAML)."),
-    db: str = typer.Option(None, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store (overrides the file)."),
-    interval: float = typer.Option(None, "--interval", envvar=INTERVAL_ENV, min=1.0, max=86_400.0,
-                                   help="Seconds between rounds of every target (overrides the file)."),
-    buffer: Path = typer.Option(None, "--buffer", help="On-disk buffer file (default prunewatch-buffer.sqlite)."),
-    rounds: int = typer.Option(None, "--rounds", min=1, help="Stop after N rounds per target (default: run on)."),
-    metrics_port: int = typer.Option(None, "--metrics-port", help="Port of /metrics (0 disables; default 9464)."),
-    metrics_host: str = typer.Option(None, "--metrics-host", help="Address of /metrics (default 127.0.0.1)."),
-    pushgateway: str = typer.Option(None, "--pushgateway", help="Pushgateway URL to push to after each round."),
-    target: list[str] = typer.Option(None, "--target", "-t", help="Probe only this target (repeatable)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every probe result as JSON."),
+    config: Annotated[Path, typer.Option("--config", "-c", help="Targets file (YAML).")],
+    db: Annotated[str | None, typer.Option(
+        "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store (overrides the file).")] = None,
+    interval: Annotated[float | None, typer.Option(
+        "--interval", envvar=INTERVAL_ENV, min=1.0, max=86_400.0,
+        help="Seconds between rounds of every target (overrides the file).")] = None,
+    buffer: Annotated[Path | None, typer.Option(
+        "--buffer", help="On-disk buffer file (default prunewatch-buffer.sqlite).")] = None,
+    rounds: Annotated[int | None, typer.Option(
+        "--rounds", min=1, help="Stop after N rounds per target (default: run on).")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="Port of /metrics (0 disables; default 9464).")] = None,
+    metrics_host: Annotated[str | None, typer.Option(
+        "--metrics-host", help="Address of /metrics (default 127.0.0.1).")] = None,
+    pushgateway: Annotated[str | None, typer.Option(
+        "--pushgateway", help="Pushgateway URL to push to after each round.")] = None,
+    target: Annotated[list[str] | None, typer.Option("--target", "-t", help="Probe only this target (repeatable).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every probe result as JSON.")] = False,
 ) -> None:
     """The production collector: every configured target on its schedule, PostgreSQL, nothing lost."""
     from pydantic import ValidationError
@@ -86,8 +94,9 @@ def collect_command(
 
 
 def db_upgrade_command(
-    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
-    revision: str = typer.Option("head", "--revision", help="Target revision (default: the newest)."),
+    db: Annotated[str, typer.Option(
+        "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store.")] = DEFAULT_STORE_URL,
+    revision: Annotated[str, typer.Option("--revision", help="Target revision (default: the newest).")] = "head",
 ) -> None:
     """Create or migrate the store's schema (Alembic)."""
     from prunewatch.records.store import StoreUnavailableError, connect
@@ -113,10 +122,12 @@ SHORTEST_UNCONFIRMED_AGE = timedelta(days=1)
 
 
 def db_prune_command(
-    older_than: str = typer.Option(..., "--older-than", help="Delete results older than this: 90d, 12h, 2w, 30m."),
-    db: str = typer.Option(DEFAULT_STORE_URL, "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
-    yes: bool = typer.Option(False, "--yes", help="Prune with an age under a day (`30m` is 30 minutes, not months)."),
+    older_than: Annotated[str, typer.Option("--older-than", help="Delete results older than this: 90d, 12h, 2w, 30m.")],
+    db: Annotated[str, typer.Option(
+        "--db", envvar=STORE_URL_ENV, help="SQLAlchemy URL of the store.")] = DEFAULT_STORE_URL,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would be deleted; delete nothing.")] = False,
+    yes: Annotated[bool, typer.Option(
+        "--yes", help="Prune with an age under a day (`30m` is 30 minutes, not months).")] = False,
 ) -> None:
     """Retention: delete probe results (and emptied rounds) and superseded governor decisions older than the given age."""
     from prunewatch.records.store import StoreUnavailableError, connect_existing
@@ -158,20 +169,23 @@ def _grid(text: str) -> tuple[float, ...]:
 
 
 def tune_command(
-    target: str = typer.Option(None, "--target", "-t", help="Name of the target in the config file."),
-    config: Path = typer.Option(None, "--config", "-c", help="Targets file (YAML)."),
-    model: str = typer.Option(None, "--model", help="Instead of a target: tune the engine in this process on this "
-                                                    "model folder (or known model name, pulled on first use)."),
-    device: str = typer.Option("auto", "--device", help="With --model: auto, cpu or cuda."),
-    quality_floor: float = typer.Option(0.95, "--quality-floor", min=0.01, max=1.0,
-                                        help="Quality below this is lost quality (sets the alert thresholds)."),
-    points: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", "--points",
-                               help="Sensitivities to sweep; must include 0 and 1."),
-    margin: float = typer.Option(0.07, "--margin", help="Safety margin below the knee."),
-    out: Path = typer.Option(Path("."), "--out", help="Folder for tune-<target>.json and .png."),
-    repeats: int = typer.Option(1, "--repeats", help="Sweeps over the grid (alternating direction); median latency."),
-    blacklist: bool = typer.Option(False, "--blacklist", help="Also discover a layer blacklist (per-layer A/B)."),
-    probes: Path = typer.Option(None, "--probes", help="Probes YAML (default: the canonical probes)."),
+    target: Annotated[str | None, typer.Option("--target", "-t", help="Name of the target in the config file.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Targets file (YAML).")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Instead of a target: tune the engine in this process on this "
+                        "model folder (or known model name, pulled on first use).")] = None,
+    device: Annotated[str, typer.Option("--device", help="With --model: auto, cpu or cuda.")] = "auto",
+    quality_floor: Annotated[float, typer.Option(
+        "--quality-floor", min=0.01, max=1.0,
+        help="Quality below this is lost quality (sets the alert thresholds).")] = 0.95,
+    points: Annotated[str, typer.Option(
+        "--points", help="Sensitivities to sweep; must include 0 and 1.")] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+    margin: Annotated[float, typer.Option("--margin", help="Safety margin below the knee.")] = 0.07,
+    out: Annotated[Path, typer.Option("--out", help="Folder for tune-<target>.json and .png.")] = Path("."),
+    repeats: Annotated[int, typer.Option(
+        "--repeats", help="Sweeps over the grid (alternating direction); median latency.")] = 1,
+    blacklist: Annotated[bool, typer.Option("--blacklist", help="Also discover a layer blacklist (per-layer A/B).")] = False,
+    probes: Annotated[Path | None, typer.Option("--probes", help="Probes YAML (default: the canonical probes).")] = None,
 ) -> None:
     """Sweep sensitivity 0..1 on a target, find the knee on the reference-scored agreement, recommend knee - margin,
     and record the model's operating range and alert thresholds (JSON, plot, tune-<target>-range.json)."""
@@ -180,8 +194,9 @@ def tune_command(
     from prunewatch.alerts.settings import RuleSettings
     from prunewatch.collector.fleet import FleetSettings, build_jobs, load_engine_cached
     from prunewatch.collector.in_process import InProcessTarget
-    from prunewatch.collector.reference import EngineReference
+    from prunewatch.collector.reference import EngineReference, Reference
     from prunewatch.collector.target_config import TargetConfigError, load_targets
+    from prunewatch.collector.targets import TunableTarget
     from prunewatch.collector.tune import TuneError, TuneSettings, tune, write_operating_range, write_report
     from prunewatch.engine.errors import EngineError
     from prunewatch.engine.settings import EngineSettings
@@ -196,6 +211,8 @@ def tune_command(
         settings = TuneSettings(sensitivities=_grid(points), margin=margin, repeats=repeats, blacklist=blacklist,
                                 quality_floor=quality_floor, configured_red_line=RuleSettings().quality_red_line)
         default = float(EngineSettings.model_fields["sensitivity"].default)
+        subject: TunableTarget
+        reference: Reference | None
         if model is not None:
             probe_set = load_probes(probes or DEFAULT_PROBES_PATH)
             engine = load_engine_cached(model_folder(model), device, FleetSettings().calibration_dir, {})
@@ -203,12 +220,16 @@ def tune_command(
             subject, subject_probes = InProcessTarget(engine, name=engine.name, quality=False), probe_set
             reference = EngineReference(engine)
         else:
+            assert config is not None and target is not None  # by the check above
             parsed = load_targets(config)
             probe_set = load_probes(probes or parsed.collector.probes_path or DEFAULT_PROBES_PATH)
             (job,) = build_jobs(parsed, probe_set, only=[target], calibration_dir=FleetSettings().calibration_dir)
             settings = dataclasses.replace(settings, probe_timeout_s=job.timeout_s or settings.probe_timeout_s)
-            subject, subject_probes, reference = job.target, job.probe_set, job.reference
-            default = parsed.target(target).sensitivity if parsed.target(target).sensitivity is not None else default
+            # tune() refuses, with a TuneError, a target that cannot change its sensitivity per request.
+            subject, subject_probes, reference = cast("TunableTarget", job.target), job.probe_set, job.reference
+            configured = parsed.target(target).sensitivity
+            if configured is not None:
+                default = configured
         report = tune(subject, subject_probes, settings, progress=lambda m: typer.echo(f"  {m}", err=True),
                       reference=reference, default_sensitivity=default)
     except (TuneError, TargetConfigError, ProbeFileError, EngineError, ValueError) as exc:
@@ -245,13 +266,14 @@ def tune_command(
 
 
 def doctor_command(
-    target: str = typer.Option(None, "--target", "-t", help="Name of the target in the config file."),
-    config: Path = typer.Option(None, "--config", "-c",
-                                help="Targets file (YAML) of a collector; without it, the main job (`prunewatch run`) "
-                                     "as its PRUNEWATCH_* variables configure it."),
-    db: str = typer.Option(None, "--db", envvar=STORE_URL_ENV, help="Store URL (default: the file's, else sqlite)."),
-    metrics_url: str = typer.Option(None, "--metrics-url",
-                                    help="The collector's /metrics (default from the file's metrics_host/port)."),
+    target: Annotated[str | None, typer.Option("--target", "-t", help="Name of the target in the config file.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Targets file (YAML) of a collector; without it, the main job (`prunewatch run`) "
+                               "as its PRUNEWATCH_* variables configure it.")] = None,
+    db: Annotated[str | None, typer.Option(
+        "--db", envvar=STORE_URL_ENV, help="Store URL (default: the file's, else sqlite).")] = None,
+    metrics_url: Annotated[str | None, typer.Option(
+        "--metrics-url", help="The collector's /metrics (default from the file's metrics_host/port).")] = None,
 ) -> None:
     """The pruning autopsy: one PASS/FAIL line per check with what to do; exit code 1 if any FAIL."""
     from prunewatch.collector.doctor import run_doctor

@@ -195,10 +195,10 @@ class CompletionService:
             if isinstance(prompt, list):  # token ids, read as given
                 ids = self._token_ids(prompt, f"{param_prefix}prompt")
                 prompt = await asyncio.to_thread(self.engine.decode_prompt, ids)  # the text the anomaly checks read
-            elif kind == "completion":  # a text completion continues the prompt as given, no chat template
+            elif isinstance(prompt, str):  # a text completion continues the prompt as given, no chat template
                 ids = await asyncio.to_thread(self.engine.render_raw, prompt)
-            else:
-                ids = await asyncio.to_thread(self.engine.render_prompt, None, None, list(messages))
+            else:  # chat: the model's chat template renders the messages
+                ids = await asyncio.to_thread(self.engine.render_prompt, None, None, list(messages or ()))
         except InvalidRequestError as exc:
             raise invalid_request(exc, param=f"{param_prefix}{what}") from None
         except TemplateError as exc:  # e.g. a template that requires alternating user/assistant turns

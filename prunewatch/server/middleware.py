@@ -9,21 +9,14 @@ up in access logs and proxy logs (see `redaction`).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prunewatch.server.auth import ApiKeyAuth
 from prunewatch.server.errors import AUTHENTICATION, APIError
 from prunewatch.server.metrics import ServerMetrics
 from prunewatch.server.redaction import has_secret_param
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"

@@ -10,32 +10,25 @@ server's configured default. The collector's quality governor pushes its setting
 
 Changing the policy needs an API key (the auth middleware answers 401 without a valid one) and is
 refused on a server that has no keys configured. Every change is logged with who made it (a
-fingerprint of the key, never the key) and what changed.
+fingerprint of the key, never the key) and what changed. The routes: prunewatch/server/routes/policy.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from prunewatch.server.auth import ApiKeyAuth, bearer_token
+from prunewatch.server.auth import bearer_token
 from prunewatch.server.errors import APIError
 from prunewatch.server.pruning_headers import PruningRequest
-from prunewatch.server.schemas import ErrorResponse
-
-logger = logging.getLogger("prunewatch.server")
 
 POLICY_PATH = "/v1/pruning/policy"
-_GET_ERRORS = {401: {"model": ErrorResponse}}
-_PUT_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 413, 422)}
 MAX_DOMAINS = 256
 _DOMAIN = r"^[a-z0-9_-]{1,64}$"  # the probes' domain names (prunewatch/probes/loader.py)
 
@@ -145,27 +138,3 @@ def apply_policy(policy: PruningPolicy | None, engine: Any, prompt_ids: Sequence
     sensitivity = policy.sensitivity(matched_domain(engine, prompt_ids))
     return pruning if sensitivity is None else replace(pruning, sensitivity=sensitivity)
 
-
-def policy_router(policy: PruningPolicy, auth: ApiKeyAuth, known_domains: Any) -> APIRouter:
-    """GET and PUT /v1/pruning/policy; `known_domains()` lists the engine's calibrated domains (None: unknown)."""
-    router = APIRouter()
-
-    @router.get(POLICY_PATH, response_model=PolicyView, tags=["prunewatch"], responses=_GET_ERRORS)
-    async def get_policy() -> dict[str, Any]:
-        """The per-domain default sensitivities in force (empty: the server's configured default everywhere)."""
-        return policy.view()
-
-    @router.put(POLICY_PATH, response_model=PolicyView, tags=["prunewatch"], responses=_PUT_ERRORS)
-    async def put_policy(update: PolicyUpdate, request: Request) -> dict[str, Any]:
-        """Replace the policy. Needs an API key; audited in the server log (key fingerprint, old and new)."""
-        if not auth.enabled:
-            raise APIError(403, "the pruning policy can only be changed on a server with API keys configured "
-                                "(PRUNEWATCH_API_KEYS or PRUNEWATCH_API_KEYS_FILE)", code="policy_needs_auth")
-        domains = validate_update(update, known_domains())
-        who = key_fingerprint(request.headers.get("authorization"))
-        previous = policy.replace(domains, who)
-        client = request.client.host if request.client else "unknown"
-        logger.warning("pruning policy changed by key %s from %s: %s -> %s", who, client, previous, domains)
-        return policy.view()
-
-    return router

@@ -23,14 +23,18 @@ from prunewatch.server.settings import ServerSettings
 
 logger = logging.getLogger("prunewatch.server")
 
-def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["auto", "cpu", "cuda"] = "auto",
+_DEFAULT_DEVICE = EngineSettings.model_fields["device"].default  # the engine's: CUDA when present, else the CPU
+
+
+def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["auto", "cpu", "cuda"] = _DEFAULT_DEVICE,
                  *, probes_path: Path | None = None, calibration_dir: Path | None = None,
                  log_level: LogLevel = LogLevel.SUMMARY, threads: int | None = None) -> PruningEngine:
     """Load the model and attach a calibration (cached, else measured on the calibration set); then release
     this thread's OpenMP team, as generations run on generation threads (prunewatch/engine/threads.py)."""
     from prunewatch.probes import CALIBRATION_PATH, load_calibration_set
 
-    unset = {"calibration_dir": calibration_dir, "threads": threads}  # None: PRUNEWATCH_ENGINE_*, else the default
+    # None: PRUNEWATCH_ENGINE_*, else the default
+    unset: dict[str, Any] = {"calibration_dir": calibration_dir, "threads": threads}
     engine = PruningEngine.load(EngineSettings(
         model_dir=Path(model_dir), device=device, sensitivity=sensitivity, log_level=log_level,
         **{name: value for name, value in unset.items() if value is not None},
@@ -61,12 +65,13 @@ def _log_to_stderr(level: str) -> None:
 
 
 def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivity: float = 0.5,
-          device: Literal["auto", "cpu", "cuda"] = "auto", *, queue_depth: int | None = None,
+          device: Literal["auto", "cpu", "cuda"] = _DEFAULT_DEVICE, *, queue_depth: int | None = None,
           workers: int | None = None, probes_path: Path | None = None, calibration_dir: Path | None = None,
           log_level: str = "info", listener: socket.socket | None = None, threads: int | None = None) -> None:
-    """Serve `model_dir` on host:port until interrupted (the `prunewatch serve` command). `listener`: the
-    socket `bind_listener(host, port)` bound already (the command binds before it resolves the model). `threads`:
-    CPU threads of each generation (default PRUNEWATCH_ENGINE_THREADS, else the cores shared among the workers).
+    """Serve `model_dir` on host:port until interrupted (both serve commands, through prunewatch/commands/serve.py).
+    `listener`: the socket `bind_listener(host, port)` bound already (the command binds before it resolves the
+    model). `threads`: CPU threads of each generation (default PRUNEWATCH_ENGINE_THREADS, else the cores shared
+    among the workers).
 
     Everything not passed here comes from ServerSettings (PRUNEWATCH_SERVER_* variables, and
     PRUNEWATCH_API_KEYS / PRUNEWATCH_API_KEYS_FILE for auth).
@@ -75,7 +80,7 @@ def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivit
 
     from prunewatch.server.app import create_app
 
-    overrides: dict[str, object] = {"host": host, "port": port}
+    overrides: dict[str, Any] = {"host": host, "port": port}
     if queue_depth is not None:
         overrides["queue_depth"] = queue_depth
     if workers is not None:
