@@ -54,14 +54,15 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         p, [prom("A", promql.TTFT_P50, "p50 · {{domain}}"), prom("B", promql.TTFT_P95, "p95 · {{domain}}")],
         unit="s", width=12))
     layout.add(timeseries(
-        "Per-token latency, pruned ÷ dense baseline of the same target (measured, 1 h)",
-        "Pruned time per output token (decode) and time to first token per prompt token, each over the dense "
-        "baseline runs of the same prompts on the same target in the last hour (the collector's baselines, every "
-        "N-th round): below 1 pruning made it faster. Dashed: the limit measured for each model "
-        "(DecodeSlowerThanDense, FirstTokenSlowerThanDense fire above it; a model without one is held to the 1.5 "
-        "fallback). No line: no dense baseline in the hour.",
-        p, [prom("A", promql.tpot_vs_dense(), "per output token · {{domain}} · {{target}}"),
-            prom("B", promql.ttft_vs_dense(), "first token per prompt token · {{domain}} · {{target}}"),
+        "Per-token latency, pruned ÷ dense of the same prompts (measured, paired, 95% lower bound)",
+        "Pruned time per output token (phase decode) and time to first token per prompt token (first_token) over "
+        "the dense run of the same prompt on the same target, run back to back in the baseline rounds (every "
+        "N-th round), pooled over the pairs of the last baseline rounds: the estimate, and the lower bound of its "
+        "95% interval over pairs, which is what DecodeSlowerThanDense and FirstTokenSlowerThanDense compare with "
+        "the limit measured for each model (dashed; a model without one is held to the 1.5 fallback). Below 1 "
+        "pruning made it faster; a lower bound of 0 means one pair, no claim. No line: no baseline round yet.",
+        p, [prom("A", promql.latency_vs_dense("estimate"), "{{phase}} · {{domain}} · {{target}}"),
+            prom("B", promql.latency_vs_dense("low"), "{{phase}} lower bound · {{domain}} · {{target}}"),
             prom("C", promql.thresholds("tpot_vs_dense_max", "ttft_vs_dense_max"),
                  "threshold {{kind}} · {{model}} ({{source}})")],
         unit="none", width=12, minimum=0, overrides=[DASHED_THRESHOLDS]))

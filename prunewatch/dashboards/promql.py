@@ -24,8 +24,7 @@ from prunewatch.records.promql import (
     PROMQL_QUALITY_PROMPTS,
     PROMQL_RATIO_AVG_24H,
     PROMQL_RATIO_BY_DOMAIN,
-    PROMQL_TPOT_VS_DENSE,
-    PROMQL_TTFT_VS_DENSE,
+    promql_latency_window_by_phase,
 )
 
 MODEL_DOMAIN = 'model=~"$model", domain=~"$domain"'
@@ -89,12 +88,9 @@ def task_pass_rate() -> str:
     return scoped(recorded(PROMQL_PASS_RATE))
 
 
-def tpot_vs_dense() -> str:
-    return scoped(recorded(PROMQL_TPOT_VS_DENSE))
-
-
-def ttft_vs_dense() -> str:
-    return scoped(recorded(PROMQL_TTFT_VS_DENSE))
+def latency_vs_dense(bound: str) -> str:
+    """The paired pruned/dense per-token time the latency rules read, per phase: bound estimate or low."""
+    return scoped(promql_latency_window_by_phase(bound))
 
 
 def thresholds(*kinds: str) -> str:

@@ -71,6 +71,12 @@ def promql_latency_window(phase: str, bound: str) -> str:
             f'(prunewatch_latency_vs_dense_window{{phase="{phase}",bound="{bound}"}})')
 
 
+def promql_latency_window_by_phase(bound: str) -> str:
+    """One bound of the paired pruned/dense per-token time per target, model, domain and phase (dashboards)."""
+    return (f'max by (target, model, domain, phase) '
+            f'(prunewatch_latency_vs_dense_window{{bound="{bound}"}})')
+
+
 PROMQL_DECODE_VS_DENSE_LOW = promql_latency_window("decode", "low")
 """The paired decode interval's lower bound: above a threshold, "slower than dense" is beyond noise."""
 PROMQL_FIRST_TOKEN_VS_DENSE_LOW = promql_latency_window("first_token", "low")
