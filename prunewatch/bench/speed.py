@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prunewatch.bench._common import RESULTS_DIR, machine_info, synchronize
+from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info, synchronize
 from prunewatch.bench.served import ServedModel
 from prunewatch.bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
 from prunewatch.bench.step_products import capture_step, median_ms, replay, time_replay
@@ -637,7 +637,7 @@ def _write(result: SpeedResult, reps: list[float], out: Path) -> dict:
         row.fraction_of_bandwidth_best = round(
             row.bytes_per_token * row.tokens_per_s_max / 1e9 / result.bandwidth_gb_s, 4)
     result.goals = goals_summary(result.as_dict())
-    data = result.as_dict()
+    data = {**result.as_dict(), "command": invocation("speed")}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     return data
