@@ -78,12 +78,20 @@ def bootstrap_share(matches: Sequence[float], totals: Sequence[float], *, resamp
     estimate = float(m.sum() / t.sum())
     if n == 1:  # one prompt says nothing of how prompts vary: the interval is as wide as it can be
         return Interval(estimate, 0.0, 1.0, 1, int(t.sum()))
+    low, high = _resampled_ratio_bounds(m, t, resamples=resamples, confidence=confidence, seed=seed)
+    return Interval(estimate, low, high, n, int(t.sum()))
+
+
+def _resampled_ratio_bounds(numerators: np.ndarray, denominators: np.ndarray, *, resamples: int,
+                            confidence: float, seed: int) -> tuple[float, float]:
+    """Percentile bounds of sum(numerators) / sum(denominators) over units drawn with replacement."""
+    n = int(numerators.size)
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, n, size=(resamples, n))  # (R, n): prompts drawn with replacement
-    shares = m[picks].sum(axis=1) / t[picks].sum(axis=1)  # (R,)
+    picks = rng.integers(0, n, size=(resamples, n))  # (R, n): units drawn with replacement
+    ratios = numerators[picks].sum(axis=1) / denominators[picks].sum(axis=1)  # (R,)
     tail = (1.0 - confidence) / 2.0
-    low, high = np.quantile(shares, [tail, 1.0 - tail])
-    return Interval(estimate, float(low), float(high), n, int(t.sum()))
+    low, high = np.quantile(ratios, [tail, 1.0 - tail])
+    return float(low), float(high)
 
 
 def bootstrap_rate(outcomes: Sequence[bool], *, resamples: int = RESAMPLES, confidence: float = CONFIDENCE,
@@ -115,9 +123,5 @@ def bootstrap_ratio(numerators: Sequence[float], denominators: Sequence[float], 
     estimate = float(a.sum() / b.sum())
     if n == 1:
         return Interval(estimate, 0.0, float("inf"), 1, 1)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, n, size=(resamples, n))  # (R, n): units drawn with replacement
-    ratios = a[picks].sum(axis=1) / b[picks].sum(axis=1)  # (R,)
-    tail = (1.0 - confidence) / 2.0
-    low, high = np.quantile(ratios, [tail, 1.0 - tail])
-    return Interval(estimate, float(low), float(high), n, n)
+    low, high = _resampled_ratio_bounds(a, b, resamples=resamples, confidence=confidence, seed=seed)
+    return Interval(estimate, low, high, n, n)
