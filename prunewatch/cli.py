@@ -204,10 +204,12 @@ def serve_command(
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of each generation (default: the cores shared among "
                                                   "the workers). (env PRUNEWATCH_ENGINE_THREADS)")] = None,
     probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,
+    weights: Annotated[str | None, typer.Option(help="fp32, or int8 (one scale per output channel; a quarter of the "
+                                                  "bytes per decode step, CPU only). (env PRUNEWATCH_ENGINE_WEIGHTS)")] = None,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
     serve_model(model, host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
-                workers=workers, threads=threads, probes=probes)
+                workers=workers, threads=threads, probes=probes, weights=weights)
 
 
 def _run_bench(bench_main: Callable[[list[str]], int], args: list[str]) -> None:

@@ -19,11 +19,13 @@ DEFAULT_DEVICE = "auto"
 here because prunewatch.engine.settings imports torch and --help must not; a test checks that they agree."""
 
 _DEVICES: dict[str, Literal["auto", "cpu", "cuda"]] = {"auto": "auto", "cpu": "cpu", "cuda": "cuda"}
+_WEIGHTS: dict[str, Literal["fp32", "int8"]] = {"fp32": "fp32", "int8": "int8"}  # EngineSettings.weights
 
 
 def serve_model(model: str | Path | None, *, host: str, port: int, device: str = DEFAULT_DEVICE,
                 sensitivity: float = 0.5, queue_depth: int | None = None, workers: int | None = None,
-                threads: int | None = None, probes: Path | None = None, calibration_dir: Path | None = None) -> None:
+                threads: int | None = None, probes: Path | None = None, calibration_dir: Path | None = None,
+                weights: str | None = None) -> None:
     """Serve a model until interrupted. `model`: a Path is the model folder itself; a string (a folder or a known
     model's name) or None (the default model) is resolved as every command's --model is, pulled if needed.
 
@@ -37,12 +39,14 @@ def serve_model(model: str | Path | None, *, host: str, port: int, device: str =
 
     if device not in _DEVICES:
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
+    if weights is not None and weights not in _WEIGHTS:
+        raise fail(f"--weights must be {' or '.join(_WEIGHTS)}, got {weights!r}")
     try:
         listener = bind_listener(host, port)
         model_dir = model if isinstance(model, Path) else model_folder(model)
         serve(model_dir, host=host, port=port, sensitivity=sensitivity, device=_DEVICES[device],
               queue_depth=queue_depth, workers=workers, probes_path=probes, calibration_dir=calibration_dir,
-              listener=listener, threads=threads)
+              listener=listener, threads=threads, weights=_WEIGHTS[weights] if weights is not None else None)
     except ValidationError as exc:
         raise fail(first_validation_error(exc))
     except (EngineError, ProbeFileError, ServeAddressError) as exc:

@@ -66,6 +66,7 @@ class _StepCounts:
     head_bytes_per_row_read: int
     head_shortlist_flops: int  # 2 x shortlist x hidden
     head_shortlist_bytes: int
+    head_scale_bytes: int  # an int8 head's scales, read by every kernel call of the head
 
 
 class CompiledDecode:
@@ -96,10 +97,16 @@ class CompiledDecode:
         self._head_linear = getattr(head, "linear", head)
         self._head_flops = _linear_flops_per_row(self._head_linear) or 0
         self._head_bytes = self._head_linear.weight.numel() * self._head_linear.weight.element_size()
+        self._head_element = self._head_linear.weight.element_size()  # of a head input row read by the kernel
+        if output_head is not None and output_head.quantized:  # its int8 copy and scales are what a step reads
+            self._head_bytes = output_head.dense_read_bytes
+            self._head_element = output_head.weight_t.element_size()
         # Every block runs in a compiled step (no bypass): what they count, summed once.
         self._blocks_dense_flops = sum(b.dense_flops_per_row for b in self.blocks)
         self._blocks_executed_flops = sum(b.executed_flops_per_row for b in self.blocks)
-        self._blocks_bytes = sum(b.weight_bytes for b in self.blocks)
+        # int8 layers read their int8 rows and scales, not the fp32 bytes their blocks count
+        self._blocks_bytes = sum(b.weight_bytes for b in self.blocks) - sum(
+            m.counted_bytes - m.dense_read_bytes for m in self.layers if m.quantized)
         # Every engine's graphs hang off the same code object (the family's forward): room for several
         # engines per process, four graphs each, before torch would stop compiling.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -137,9 +144,11 @@ class CompiledDecode:
         if head_sparse:
             self.keeps[self._head_slot] = head.kept_inputs(plan.output_head_sparsity)
             head.compiled_shortlist = head.shortlist_size(plan.output_head_candidates)
+        else:  # an int8 head still runs the kernel in a dense graph: every input row
+            self.keeps[self._head_slot] = -1
         hidden = head.in_features if head is not None else 0
         shortlist = head.compiled_shortlist if head_sparse else 0
-        element = self._head_linear.weight.element_size()
+        element = self._head_linear.weight.element_size()  # the shortlist's exact rows come from the head's own weight
         self._counts = _StepCounts(
             dense_flops=self._blocks_dense_flops + self._head_flops,
             executed_flops=self._blocks_executed_flops + (0 if head_sparse else self._head_flops),
@@ -148,9 +157,10 @@ class CompiledDecode:
             sparse_input_entries=sum(m.in_features for m in sparse_layers),
             head_sparse=head_sparse,
             head_flops_per_row_read=2 * head.out_features if head is not None else 0,
-            head_bytes_per_row_read=head.out_features * element if head is not None else 0,
+            head_bytes_per_row_read=head.out_features * self._head_element if head is not None else 0,
             head_shortlist_flops=2 * shortlist * hidden,
             head_shortlist_bytes=shortlist * hidden * element,
+            head_scale_bytes=head.scale_bytes if head is not None else 0,
         )
         self._plan = plan
 
@@ -220,7 +230,7 @@ class CompiledDecode:
         if counts.head_sparse:
             rows_read = int(self.stats[self._head_slot, 0])
             executed += counts.head_flops_per_row_read * rows_read + counts.head_shortlist_flops
-            read += counts.head_bytes_per_row_read * rows_read + counts.head_shortlist_bytes
+            read += counts.head_bytes_per_row_read * rows_read + counts.head_shortlist_bytes + counts.head_scale_bytes
         ledger.executed_flops += executed
         ledger.weight_bytes_read += read
 

@@ -201,9 +201,10 @@ class PruningEngine:
         else:
             calibration = self.calibrate(texts_by_domain, corpus_digest, progress)
             calibration.save(path)
-        if self.settings.activation_sparsity > 0.0:
+        quantized = self.settings.weights != "fp32"  # the wrappers hold the quantized weights, dense plans too
+        if self.settings.activation_sparsity > 0.0 or quantized:
             self.enable_activation_sparsity(texts_by_domain, corpus_digest)
-        if self.settings.output_head_sparsity > 0.0:
+        if self.settings.output_head_sparsity > 0.0 or quantized:
             self.enable_output_head()
         return calibration, cached
 
@@ -214,7 +215,7 @@ class PruningEngine:
         from prunewatch.engine.sparse.output_head import install_shortlist_head
 
         if self._output_head is None:
-            self._output_head = install_shortlist_head(self.loaded.model)
+            self._output_head = install_shortlist_head(self.loaded.model, weights=self.settings.weights)
 
     def enable_activation_sparsity(self, texts_by_domain: Mapping[str, Sequence[str]], corpus_digest: str) -> None:
         """Calibrate per-layer input thresholds (cached beside the block calibration) and install the
@@ -223,11 +224,13 @@ class PruningEngine:
         request is never run dense while reported as sparse."""
         from prunewatch.engine.sparse import install_sparsity
         from prunewatch.engine.sparse.calibration_cache import load_or_calibrate_sparsity
+        from prunewatch.engine.sparse.module import SparsityOptions
 
         if self._sparsity is not None:
             return
         sparsity_calibration = load_or_calibrate_sparsity(self, texts_by_domain, corpus_digest)  # per settings
         self._sparsity = install_sparsity(self.instrumented, sparsity_calibration,
+                                          SparsityOptions(weights=self.settings.weights),
                                           model_fingerprint=self.loaded.fingerprint)
 
     # -- requests ----------------------------------------------------------------------------

@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from prunewatch.engine.anomaly import AnomalyLimits
 from prunewatch.engine.signals import SignalWeights
 
+WeightFormat = Literal["fp32", "int8"]
+"""How the engine holds the weights of the linear layers it computes: fp32, or int8 per output channel."""
+
 DEFAULT_ACTIVATION_SPARSITY = 0.6
 """At the default sensitivity 0.5 and typical prompt signals, a mean input sparsity of up to 0.3 spread by
 the greedy plan. On SmolLM2-135M-Instruct's 63 evaluation prompts (bench/results/frontier-SmolLM2-135M-Instruct.json,
@@ -160,6 +163,14 @@ class EngineSettings(BaseSettings):
             "sparsity and plans with the output-head shortlist compile; bypass, head gating and the shared policy decode "
             "eagerly. Each graph compiles on its first step (about a minute for SmolLM2-135M on two cores; "
             "`prunewatch serve` warms them up before it listens). Needs a C++ compiler, as the sparse kernel does."),
+    )
+    weights: WeightFormat = Field(
+        "fp32",
+        description=(
+            "How the linear layers' weights are held and read: 'fp32' as loaded, or 'int8' with one scale per "
+            "output channel (prunewatch/engine/sparse/quantize.py), which every decode step reads through the sparse "
+            "kernel, dense plans included: a quarter of the bytes per step, on the CPU only. The quality of int8 "
+            "against fp32 dense is measured by `prunewatch bench precision`."),
     )
     threads: int | None = Field(
         None, ge=1, le=1024,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prunewatch.engine.pruning_engine import PruningEngine
-from prunewatch.engine.settings import EngineSettings, LogLevel
+from prunewatch.engine.settings import EngineSettings, LogLevel, WeightFormat
 from prunewatch.engine.threads import release_openmp_team
 from prunewatch.server.settings import ServerSettings
 
@@ -28,13 +28,14 @@ _DEFAULT_DEVICE = EngineSettings.model_fields["device"].default  # the engine's:
 
 def build_engine(model_dir: Path, sensitivity: float = 0.5, device: Literal["auto", "cpu", "cuda"] = _DEFAULT_DEVICE,
                  *, probes_path: Path | None = None, calibration_dir: Path | None = None,
-                 log_level: LogLevel = LogLevel.SUMMARY, threads: int | None = None) -> PruningEngine:
+                 log_level: LogLevel = LogLevel.SUMMARY, threads: int | None = None,
+                 weights: WeightFormat | None = None) -> PruningEngine:
     """Load the model and attach a calibration (cached, else measured on the calibration set); then release
     this thread's OpenMP team, as generations run on generation threads (prunewatch/engine/threads.py)."""
     from prunewatch.probes import CALIBRATION_PATH, load_calibration_set
 
     # None: PRUNEWATCH_ENGINE_*, else the default
-    unset: dict[str, Any] = {"calibration_dir": calibration_dir, "threads": threads}
+    unset: dict[str, Any] = {"calibration_dir": calibration_dir, "threads": threads, "weights": weights}
     engine = PruningEngine.load(EngineSettings(
         model_dir=Path(model_dir), device=device, sensitivity=sensitivity, log_level=log_level,
         **{name: value for name, value in unset.items() if value is not None},
@@ -67,11 +68,12 @@ def _log_to_stderr(level: str) -> None:
 def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivity: float = 0.5,
           device: Literal["auto", "cpu", "cuda"] = _DEFAULT_DEVICE, *, queue_depth: int | None = None,
           workers: int | None = None, probes_path: Path | None = None, calibration_dir: Path | None = None,
-          log_level: str = "info", listener: socket.socket | None = None, threads: int | None = None) -> None:
+          log_level: str = "info", listener: socket.socket | None = None, threads: int | None = None,
+          weights: WeightFormat | None = None) -> None:
     """Serve `model_dir` on host:port until interrupted (both serve commands, through prunewatch/commands/serve.py).
     `listener`: the socket `bind_listener(host, port)` bound already (the command binds before it resolves the
     model). `threads`: CPU threads of each generation (default PRUNEWATCH_ENGINE_THREADS, else the cores shared
-    among the workers).
+    among the workers). `weights`: fp32 or int8 (default PRUNEWATCH_ENGINE_WEIGHTS, else fp32).
 
     Everything not passed here comes from ServerSettings (PRUNEWATCH_SERVER_* variables, and
     PRUNEWATCH_API_KEYS / PRUNEWATCH_API_KEYS_FILE for auth).
@@ -91,7 +93,7 @@ def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivit
     sock = listener if listener is not None else bind_listener(settings.host, settings.port)
     try:
         engine = build_engine(model_dir, sensitivity, device, probes_path=probes_path, calibration_dir=calibration_dir,
-                              threads=threads)
+                              threads=threads, weights=weights)
         app = create_app(engine, settings)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level)
         uvicorn.Server(config).run(sockets=[sock])

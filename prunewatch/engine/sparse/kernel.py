@@ -38,7 +38,8 @@ _LOCK = threading.Lock()
 _MODULE: ModuleType | None = None
 
 RawKernel = Callable[..., tuple[torch.Tensor, int, int]]
-"""(x, weight_t, bias, scale, threshold, keep, threads) -> (output, active channels, kept entries)."""
+"""(x, weight_t, bias, scale, threshold, keep, threads[, weight_scale]) -> (output, active channels, kept entries);
+weight_scale: the per-output scales of int8 weight_t (CPU kernel only), None for floating-point weights."""
 
 
 class SparseKernelUnavailableError(EngineError):
@@ -173,7 +174,7 @@ def counted_op() -> Callable[..., torch.Tensor]:
         if not _FAKE_REGISTERED:
             # What the compiler traces instead of the kernel: the output's shape and dtype only.
             @torch.library.register_fake("prunewatch::sparse_linear_counted")
-            def _(x, wt, bias, scale, thresholds, keeps, threads, stats, slot):
+            def _(x, wt, bias, scale, thresholds, keeps, threads, stats, slot, weight_scale=None):
                 return x.new_empty((x.shape[0], wt.shape[1]))
 
             _FAKE_REGISTERED = True
@@ -188,6 +189,7 @@ def sparse_linear(
     threshold: float,
     keep: int = -1,
     threads: int = 0,
+    weight_scale: torch.Tensor | None = None,
 ) -> KernelOutput:
     """y = masked(x) @ weight_t + bias, reading only the rows of weight_t for active channels.
 
@@ -196,7 +198,9 @@ def sparse_linear(
     entry survives when |x| * scale > threshold (per row; the weights read are the union over
     rows). With keep >= 0 the rows share the `keep` channels of largest summed score. threads: at
     most this many of torch's intra-op threads (0: all of them; 1: the calling thread only; unused
-    on CUDA). CPU tensors run the compiled kernel, CUDA tensors the Triton kernel.
+    on CUDA). weight_scale: with int8 weight_t, one float32 scale per output channel (y = the int8 product
+    times it, then the bias; CPU only). CPU tensors run the compiled kernel, CUDA tensors the Triton kernel.
     """
-    output, active, kept = device_kernel(x.device)(x, weight_t, bias, scale, float(threshold), int(keep), int(threads))
+    output, active, kept = device_kernel(x.device)(x, weight_t, bias, scale, float(threshold), int(keep), int(threads),
+                                                   weight_scale)
     return KernelOutput(output=output, active_channels=int(active), kept_entries=int(kept))

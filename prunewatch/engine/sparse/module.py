@@ -9,6 +9,13 @@ it never read) back off the ledger. A call with many rows (a long prefill) is co
 skipping rows of a weight matrix saves no time: it applies the same mask and runs the dense layer,
 which stays counted as dense work. Without a plan, or with a target of 0, the dense layer runs
 untouched and is counted as dense.
+
+With int8 weights (SparsityOptions.weights, prunewatch/engine/sparse/quantize.py) the kernel reads int8
+rows and applies one scale per output; every call with few rows goes to it, the dense ones too (all
+channels read), so a decode step reads a quarter of the fp32 bytes whether or not it prunes. The
+wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS
+product is faster than converting int8 weights row by row) and for head-gated slices: every path
+multiplies by the same values, so the model is the int8 model throughout, at 1.25x the fp32 memory.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from prunewatch.engine.execution import (
     ExecutionPlan,
     current_execution,
 )
-from prunewatch.engine.sparse.kernel import device_kernel
+from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel
+from prunewatch.engine.sparse.quantize import WeightFormat, dequantize_int8, quantize_int8
 from prunewatch.engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
 from prunewatch.engine.sparse.thresholds import LayerThresholds
 
@@ -52,6 +60,11 @@ class SparsityOptions(BaseModel):
         description=(
             "Keep one copy of each weight: the dense layer reads the kernel's transposed copy "
             "through a view. False keeps the original layout for the dense path too (2x memory)."))
+    weights: WeightFormat = Field(
+        "fp32",
+        description=(
+            "How the kernel holds the weights: fp32, or int8 with one scale per output channel (a quarter of "
+            "the bytes a decode step reads; CPU only)."))
 
 
 class SparseLinear(LinearWrapper):
@@ -77,13 +90,25 @@ class SparseLinear(LinearWrapper):
         self.kernel_threads = options.kernel_threads
         self._conv1d = is_conv1d(linear)
         weight = linear.weight.detach()
+        # What the decoder block counts as this layer's dense read per call (instrumented before wrapping).
+        self._counted_bytes = weight.numel() * weight.element_size()
         if self._conv1d:
             weight_t = weight.contiguous()  # Conv1D stores (in, out) already
         else:
             weight_t = weight.t().contiguous()  # (in, out): one contiguous row per input channel
-            if options.share_weight_storage:
-                linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
+        weight_scale = None
+        self.quantized = options.weights == "int8"
+        if self.quantized:
+            if weight.device.type != "cpu":
+                raise SparseKernelUnavailableError(
+                    f"int8 weights have a CPU kernel only; the model is on {weight.device.type}")
+            weight_t, weight_scale = quantize_int8(weight_t)
+            exact = dequantize_int8(weight_t, weight_scale).to(weight.dtype)  # the values the kernel multiplies by
+            linear.weight = nn.Parameter(exact if self._conv1d else exact.t(), requires_grad=False)
+        elif not self._conv1d and options.share_weight_storage:
+            linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
         self.register_buffer("weight_t", weight_t, persistent=False)
+        self.register_buffer("weight_scale", weight_scale, persistent=False)
         self.register_buffer("scale", scale.to(weight.device, torch.float32).contiguous(), persistent=False)
         self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
         self._kernel_is_cuda = weight.device.type == "cuda"  # a model moved after installing resolves per call
@@ -91,11 +116,22 @@ class SparseLinear(LinearWrapper):
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
         self._flops_per_active_row = 2 * self.out_features  # per active input channel and token row
         self._bytes_per_active = self.out_features * weight_t.element_size()  # one weight row read
+        self._scale_bytes = 0 if weight_scale is None else weight_scale.numel() * weight_scale.element_size()
         self._thresholds_by_target: dict[float, float] = {}
         # (plan, target_under(plan)) of the last call: a request's ~7 calls per block per token share one
         # plan, and hashing a frozen plan costs more than the comparison by identity.
         self._last_target: tuple[ExecutionPlan | None, float] = (None, 0.0)
         self.init_compiled_call()
+
+    @property
+    def dense_read_bytes(self) -> int:
+        """Bytes a dense call with few rows reads: the fp32 weights, or the int8 rows and their scales."""
+        return self._bytes_per_active * self.in_features + self._scale_bytes
+
+    @property
+    def counted_bytes(self) -> int:
+        """Bytes the decoder block counts for this layer per call (its weights as loaded)."""
+        return self._counted_bytes
 
     def restore(self) -> nn.Module:
         """The wrapped layer with a contiguous weight of its original layout, for uninstalling."""
@@ -123,7 +159,7 @@ class SparseLinear(LinearWrapper):
             target = self.target_under(plan)
             self._last_target = (plan, target)  # holds the plan, so `is` can never match a reused id
         if target <= 0.0:
-            return self._dense(x)
+            return self._quantized_dense(x, ledger) if self.quantized else self._dense(x)
         in_features = self.in_features
         rows = x.numel() // in_features
         dense_flops = self._dense_flops_per_row * rows
@@ -141,20 +177,23 @@ class SparseLinear(LinearWrapper):
         buffers = self._buffers
         kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
         output, active, kept = kernel(x if x.dim() == 2 else x.reshape(rows, in_features), buffers["weight_t"],
-                                      self._bias[0], buffers["scale"], threshold, keep, self.kernel_threads)
+                                      self._bias[0], buffers["scale"], threshold, keep, self.kernel_threads,
+                                      buffers["weight_scale"])
         executed = self._flops_per_active_row * active * rows
         # The block counted this layer dense; the kernel's own count of active channels says what it skipped.
         ledger.executed_flops -= dense_flops - executed
-        ledger.weight_bytes_read -= self._bytes_per_active * (in_features - active)
+        ledger.weight_bytes_read -= self._counted_bytes - self._bytes_per_active * active - self._scale_bytes
         ledger.sparse_executed_flops += executed
         ledger.sparse_kept_entries += kept
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The layer inside a compiled decode step: dense, or the counted kernel at the threshold in force."""
-        if not COMPILED_STEP.sparse or not self.counting:
+        if not self.counting or not (COMPILED_STEP.sparse or self.quantized):
             return self._dense(x)
-        output = self.counted_call(x.reshape(-1, self.in_features), self.weight_t, self._bias[0], self.scale)
+        # int8 weights go through the kernel in every graph: at target 0 its threshold reads every row
+        output = self.counted_call(x.reshape(-1, self.in_features), self.weight_t, self._bias[0], self.scale,
+                                   self.weight_scale)
         return output.reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +203,20 @@ class SparseLinear(LinearWrapper):
         if self._conv1d or linear._forward_hooks or linear._forward_pre_hooks:
             return linear(x)
         return F.linear(x, linear.weight, linear.bias)
+
+    def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
+        """The dense product of int8 weights: the kernel reading every row when the call has few rows
+        (the block counted the fp32 bytes; the call read the int8 rows and their scales), else the
+        wrapped layer on the dequantized weights (a prefill: compute-bound, where BLAS is faster)."""
+        rows = x.numel() // self.in_features
+        if rows > self.max_kernel_rows:
+            return self._dense(x)
+        kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
+        buffers = self._buffers
+        output, _, _ = kernel(x if x.dim() == 2 else x.reshape(rows, self.in_features), buffers["weight_t"],
+                              self._bias[0], buffers["scale"], -1.0, -1, self.kernel_threads, buffers["weight_scale"])
+        ledger.weight_bytes_read -= self._counted_bytes - self.dense_read_bytes
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 
     def _shared_keep(self, plan: ExecutionPlan, x: torch.Tensor, target: float) -> int:
         """Channels the rows share under the shared policy at a decode step; -1 for the row policy."""

@@ -23,6 +23,12 @@ row (`output_head_row_kernel`: an echoed prompt, scored as the request's own pre
 The head keeps its own transposed copy of W for the kernel (one contiguous row per input
 channel), so a head tied to the input embeddings stays tied; the copy costs vocab x hidden
 weights of memory.
+
+With int8 weights (`weights="int8"`, prunewatch/engine/sparse/quantize.py) that copy is int8 with one scale
+per vocabulary entry, a quarter of the bytes, and every call with few rows reads it, the dense head's
+too (every input row read, counted as dense work). The head's own fp32 weight is overwritten with the
+dequantized values, so calls with many rows (BLAS), the shortlist's exact logits and a tied input
+embedding all use the int8 model's values; the original fp32 weights are not kept.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunewatch.engine.execution import COMPILED_STEP, ExecutionLedger, current_execution
-from prunewatch.engine.sparse.kernel import device_kernel
+from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel
+from prunewatch.engine.sparse.quantize import WeightFormat, dequantize_int8, quantize_int8
 from prunewatch.engine.sparse.targets import LinearWrapper, in_out
 
 RESCORE_CHUNK_ROWS = 16  # rows whose shortlist weights are gathered at once: 16 x 1024 x hidden floats
@@ -41,7 +48,8 @@ RESCORE_CHUNK_ROWS = 16  # rows whose shortlist weights are gathered at once: 16
 class ShortlistHead(LinearWrapper):
     """The model's output head, sparse-input approximate logits plus exact logits for a shortlist."""
 
-    def __init__(self, linear: nn.Linear, max_kernel_rows: int = 16, kernel_threads: int = 0) -> None:
+    def __init__(self, linear: nn.Linear, max_kernel_rows: int = 16, kernel_threads: int = 0,
+                 weights: WeightFormat = "fp32") -> None:
         super().__init__()
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"the output head must be an nn.Linear, got {type(linear).__name__}")
@@ -50,17 +58,33 @@ class ShortlistHead(LinearWrapper):
         self.max_kernel_rows = max_kernel_rows
         self.kernel_threads = kernel_threads
         weight = linear.weight.detach()
-        self.register_buffer("weight_t", weight.t().contiguous(), persistent=False)  # (hidden, vocab)
+        weight_t, weight_scale = weight.t().contiguous(), None  # (hidden, vocab)
+        self.quantized = weights == "int8"
+        if self.quantized:
+            if weight.device.type != "cpu":
+                raise SparseKernelUnavailableError(
+                    f"int8 weights have a CPU kernel only; the model is on {weight.device.type}")
+            weight_t, weight_scale = quantize_int8(weight_t)
+            with torch.no_grad():  # every path multiplies by the int8 values (a tied input embedding reads them too)
+                linear.weight.copy_(dequantize_int8(weight_t, weight_scale).t())
+        self.register_buffer("weight_t", weight_t, persistent=False)
+        self.register_buffer("weight_scale", weight_scale, persistent=False)  # (vocab,) for int8, else None
         self.register_buffer("ones", torch.ones(self.in_features, dtype=torch.float32, device=weight.device),
                              persistent=False)
         self._kernel = device_kernel(weight.device)
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
-        self._bytes_per_input_row = self.out_features * weight.element_size()  # one row of W^T
+        self._bytes_per_input_row = self.out_features * weight_t.element_size()  # one row of W^T
+        self.scale_bytes = 0 if weight_scale is None else weight_scale.numel() * weight_scale.element_size()  # int8 only
         self._bytes_per_vocab_row = self.in_features * weight.element_size()  # one row of W
         # Compiled decode steps: a top-k per row (its size set per request); the shortlist size is a
         # setting, so a constant of the graph.
         self.init_compiled_call()
         self.compiled_shortlist = 1
+
+    @property
+    def dense_read_bytes(self) -> int:
+        """Bytes the kernel reads for a dense call of the head: every input row of its copy, and int8 scales."""
+        return self._bytes_per_input_row * self.in_features + self.scale_bytes
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, vocab={self.out_features}"
@@ -77,6 +101,8 @@ class ShortlistHead(LinearWrapper):
             return self._compiled(x)
         execution = current_execution()
         if execution is None or execution[0].output_head_sparsity <= 0.0:
+            if self.quantized and execution is not None:
+                return self._quantized_dense(x, execution[1])
             return self.linear(x)  # the head's counting hook sees a dense call
         plan, ledger = execution
         flat = x.reshape(-1, self.in_features)
@@ -93,11 +119,12 @@ class ShortlistHead(LinearWrapper):
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The head inside a compiled decode step (one token row): dense, or kernel plus exact shortlist."""
-        if not COMPILED_STEP.output_head or not self.counting:
+        if not self.counting or not (COMPILED_STEP.output_head or self.quantized):
             return self.linear(x)
         flat = x.reshape(-1, self.in_features)
-        logits = self.counted_call(flat, self.weight_t, self.linear.bias, self.ones)
-        self._rescore(flat, logits, self.compiled_shortlist, None)
+        logits = self.counted_call(flat, self.weight_t, self.linear.bias, self.ones, self.weight_scale)
+        if COMPILED_STEP.output_head:  # else: the int8 head read in full (its top-k is -1), exact already
+            self._rescore(flat, logits, self.compiled_shortlist, None)
         return logits.reshape(*x.shape[:-1], self.out_features)
 
     def _sparse_rows(self, flat: torch.Tensor, keep: int, ledger: ExecutionLedger) -> torch.Tensor:
@@ -106,11 +133,29 @@ class ShortlistHead(LinearWrapper):
         bias = self.linear.bias
         outputs = []
         for row in flat.split(1):
-            output, active, _ = kernel(row, self.weight_t, bias, self.ones, 0.0, keep, self.kernel_threads)
+            output, active, _ = kernel(row, self.weight_t, bias, self.ones, 0.0, keep, self.kernel_threads,
+                                       self.weight_scale)
             ledger.executed_flops += 2 * self.out_features * int(active)
-            ledger.weight_bytes_read += self._bytes_per_input_row * int(active)
+            ledger.weight_bytes_read += self._bytes_per_input_row * int(active) + self.scale_bytes
             outputs.append(output)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
+        """The dense head on int8 weights: the kernel reading every input row when the call has few rows,
+        counted here as the dense work it is (the counting hook fires on the wrapped layer's calls only);
+        the wrapped fp32 layer otherwise (many rows: compute-bound, BLAS is faster)."""
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if rows > self.max_kernel_rows:
+            return self.linear(x)
+        kernel = self._kernel if flat.device.type == self.weight_t.device.type else device_kernel(flat.device)
+        output, _, _ = kernel(flat, self.weight_t, self.linear.bias, self.ones, -1.0, -1, self.kernel_threads,
+                              self.weight_scale)
+        work = self._dense_flops_per_row * rows
+        ledger.dense_flops += work
+        ledger.executed_flops += work
+        ledger.weight_bytes_read += self.dense_read_bytes
+        return output.reshape(*x.shape[:-1], self.out_features)
 
     def _masked_dense(self, flat: torch.Tensor, keep: int, ledger: ExecutionLedger) -> torch.Tensor:
         """The same per-row masks, one dense product: counted as the dense work it is."""
@@ -140,12 +185,17 @@ class ShortlistHead(LinearWrapper):
             ledger.weight_bytes_read += self._bytes_per_vocab_row * shortlist * flat.shape[0]
 
 
-def install_shortlist_head(model: nn.Module, max_kernel_rows: int = 16, kernel_threads: int = 0) -> ShortlistHead:
+def install_shortlist_head(model: nn.Module, max_kernel_rows: int = 16, kernel_threads: int = 0,
+                           weights: WeightFormat = "fp32") -> ShortlistHead:
     """Put a ShortlistHead in place of the model's output embeddings (idempotent); it runs dense until a
-    plan asks for output-head sparsity. Raises SparseKernelUnavailableError where no kernel can run."""
+    plan asks for output-head sparsity. Raises SparseKernelUnavailableError where no kernel can run, and
+    ValueError when a head already installed holds weights of another format."""
     head = model.get_output_embeddings()
     if isinstance(head, ShortlistHead):
+        if head.quantized != (weights == "int8"):
+            raise ValueError(f"the output head is installed with {'int8' if head.quantized else 'fp32'} weights, "
+                             f"not {weights}")
         return head
-    wrapper = ShortlistHead(head, max_kernel_rows=max_kernel_rows, kernel_threads=kernel_threads)
+    wrapper = ShortlistHead(head, max_kernel_rows=max_kernel_rows, kernel_threads=kernel_threads, weights=weights)
     model.set_output_embeddings(wrapper)
     return wrapper

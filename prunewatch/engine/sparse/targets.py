@@ -142,11 +142,12 @@ class LinearWrapper(nn.Module):
         return self._compiled_stats is not None
 
     def counted_call(self, flat: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
-                     scale: torch.Tensor) -> torch.Tensor:
-        """The kernel on (rows, in) inputs at the threshold and top-k in force, counted in the attached row."""
+                     scale: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel on (rows, in) inputs at the threshold and top-k in force, counted in the attached row;
+        weight_scale: the per-output scales of int8 weight_t (None for floating-point weights)."""
         thresholds, keeps = self._compiled_controls
         return self._counted_op(flat, weight_t, bias, scale, thresholds, keeps, self.kernel_threads,
-                                self._compiled_stats, self._compiled_slot)
+                                self._compiled_stats, self._compiled_slot, weight_scale)
 
 
 def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[str] = DEFAULT_PROJECTIONS,

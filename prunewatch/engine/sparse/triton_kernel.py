@@ -162,14 +162,18 @@ def sparse_linear(
     threshold: float,
     keep: int = -1,
     threads: int = 0,
+    weight_scale: torch.Tensor | None = None,
     split_k: int | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """(y = masked(x) @ weight_t + bias in x's dtype, active channels read, kept entries).
 
     The arguments and results are the CPU kernel's; `threads` is accepted for that signature and
-    unused (the GPU schedules itself). split_k: splits of the active list (None: sized to the GPU).
+    unused (the GPU schedules itself). weight_scale: int8 weights' scales, which this kernel does not
+    take (int8 weights have a CPU kernel only). split_k: splits of the active list (None: sized to the GPU).
     The two counts are read back once per call, after the kernel is queued.
     """
+    if weight_scale is not None:
+        raise ValueError("the Triton kernel takes floating-point weights only; int8 weights have a CPU kernel")
     _check_inputs(x, weight_t, bias, scale)
     rows, n_in = x.shape
     n_out = weight_t.shape[1]
