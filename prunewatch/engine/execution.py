@@ -234,12 +234,14 @@ class CompiledStepMode:
     """What the wrapped modules compute while torch.compile traces a decode step (prunewatch.engine.compiled_decode).
 
     A compiled graph cannot read the request's plan from a context variable or write to its ledger, so
-    the wrappers read these two switches instead; each combination is one graph (Dynamo guards on them).
+    the wrappers read these switches instead; each combination is one graph (Dynamo guards on them, and on
+    nothing of the model's modules: prunewatch.engine.compiled_decode drops those guards).
     Per-request values that would otherwise recompile (thresholds, the head's top-k size) are tensors.
     """
 
     sparse: bool = False  # activation-sparsity wrappers call the counted kernel (prunewatch.engine.sparse.module)
     output_head: bool = False  # the shortlist head runs sparse (prunewatch.engine.sparse.output_head)
+    shortlist: int = 1  # logits the sparse head recomputes exactly: a setting, so a constant of its graph
 
 
 COMPILED_STEP = CompiledStepMode()

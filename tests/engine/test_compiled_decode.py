@@ -94,6 +94,19 @@ def test_new_request_targets_reuse_the_compiled_graphs(engine):
     assert counters["stats"]["unique_graphs"] == graphs  # thresholds and head size are tensors, not constants
 
 
+def test_a_new_shortlist_size_gets_its_own_graph_and_counts(engine):
+    """The graphs keep no guards on the model's modules; the shortlist size, a constant of the sparse head's
+    graph, is guarded through COMPILED_STEP, so a plan with another size never reuses a graph built for the last."""
+    base = _default_plan(engine)
+    eager_default, compiled_default = _both(engine, base, 5)
+    for candidates in (2, 64):
+        plan = dataclasses.replace(base, output_head_candidates=candidates)
+        eager, compiled = _both(engine, plan, 5)
+        assert compiled.tokens == eager.tokens
+        assert _differences(eager.ledger, compiled.ledger) == {}
+        assert compiled.ledger.executed_flops != compiled_default.ledger.executed_flops  # the shortlist's own work
+
+
 @pytest.mark.parametrize("change", [
     {"bypass": frozenset({3})},
     {"gated_heads": (frozenset({1}),) * 12},

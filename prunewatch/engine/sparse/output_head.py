@@ -77,9 +77,8 @@ class ShortlistHead(LinearWrapper):
         self.scale_bytes = 0 if weight_scale is None else weight_scale.numel() * weight_scale.element_size()  # int8 only
         self._bytes_per_vocab_row = self.in_features * weight.element_size()  # one row of W
         # Compiled decode steps: a top-k per row (its size set per request); the shortlist size is a
-        # setting, so a constant of the graph.
+        # setting, so a constant of the graph (COMPILED_STEP.shortlist).
         self.init_compiled_call()
-        self.compiled_shortlist = 1
 
     @property
     def dense_read_bytes(self) -> int:
@@ -124,7 +123,7 @@ class ShortlistHead(LinearWrapper):
         flat = x.reshape(-1, self.in_features)
         logits = self.counted_call(flat, self.weight_t, self.linear.bias, self.ones, self.weight_scale)
         if COMPILED_STEP.output_head:  # else: the int8 head read in full (its top-k is -1), exact already
-            self._rescore(flat, logits, self.compiled_shortlist, None)
+            self._rescore(flat, logits, COMPILED_STEP.shortlist, None)
         return logits.reshape(*x.shape[:-1], self.out_features)
 
     def _sparse_rows(self, flat: torch.Tensor, keep: int, ledger: ExecutionLedger) -> torch.Tensor:
