@@ -258,6 +258,15 @@ def bench_frontier_command(ctx: typer.Context) -> None:
     _run_bench(bench_main, list(ctx.args))
 
 
+@bench_app.command("precision", context_settings=_BENCH_ARGS, add_help_option=False)
+def bench_precision_command(ctx: typer.Context) -> None:
+    """fp32 and int8 weights, each dense and at the default, on the real model in one run: decode tokens/s and
+    speedups within rounds, bytes per step, and agreement of the served answers with fp32 dense."""
+    from prunewatch.bench.precision import main as bench_main
+
+    _run_bench(bench_main, list(ctx.args))
+
+
 @bench_app.command("speed", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_speed_command(ctx: typer.Context) -> None:
     """The machine's read bandwidth, then plain transformers, engine dense and engine at its defaults decoding

@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from prunewatch.engine.execution import (
     COMPILED_STEP,
@@ -108,14 +112,14 @@ class CompiledDecode:
         # int8 layers read their int8 rows and scales, not the fp32 bytes their blocks count
         self._blocks_bytes = sum(b.weight_bytes for b in self.blocks) - sum(
             m.counted_bytes - m.dense_read_bytes for m in self.layers if m.quantized)
-        # Every engine's graphs hang off the same code object (the family's forward): room for several
-        # engines per process, four graphs each, before torch would stop compiling.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         # No guards on the model's modules: evaluating them took ~4 ms of a ~25 ms SmolLM2 step (torch profiler,
-        # "TorchDynamo Cache Lookup"), 0.5 ms without. Safe here because nothing a graph depends on changes on a
-        # module while this step exists: new wrappers make a new CompiledDecode (PruningEngine.compiled_decode),
-        # and what changes per request is in tensors or in COMPILED_STEP, which stays guarded.
-        self._forward = torch.compile(self.model.forward, dynamic=True, fullgraph=True,
+        # "TorchDynamo Cache Lookup"), 0.5 ms without. Safe because the graphs are this step's alone (a code object
+        # of its own, `_own_entry`: another engine's model, of the same family, never matches them) and nothing a
+        # graph depends on changes on this model's modules while the step exists: new wrappers make a new
+        # CompiledDecode (PruningEngine.compiled_decode), and what changes per request is in tensors or in
+        # COMPILED_STEP, which stays guarded.
+        self._forward = torch.compile(_own_entry(self.model), dynamic=True, fullgraph=True,
                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._plan: ExecutionPlan | None = None
         self._counts: _StepCounts | None = None
@@ -241,6 +245,18 @@ class CompiledDecode:
             read += counts.head_bytes_per_row_read * rows_read + counts.head_shortlist_bytes + counts.head_scale_bytes
         ledger.executed_flops += executed
         ledger.weight_bytes_read += read
+
+
+def _own_entry(model: nn.Module) -> Callable[..., Any]:
+    """`model.forward` behind a function whose code object belongs to this call alone.
+
+    Dynamo keeps compiled graphs per code object; compiling `model.forward` itself would share them with every
+    model of the family in the process, and with module guards dropped one model could run another's graph."""
+    def step(**inputs: Any) -> Any:
+        return model.forward(**inputs)
+
+    code = step.__code__.replace(co_name=f"decode_step_{id(model):x}")
+    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
 
 
 def _is_compile_failure(exc: Exception) -> bool:

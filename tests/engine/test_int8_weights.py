@@ -150,3 +150,17 @@ def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(probe_model_di
         assert compiled.tokens == eager.tokens
         assert abs(compiled.ledger.decode_bytes_read - eager.ledger.decode_bytes_read) \
             <= 1e-3 * eager.ledger.decode_bytes_read
+
+
+def test_two_engines_of_one_family_never_run_each_others_graphs(probe_model_dir, calibration_dir):
+    """Compiled graphs keep no guards on the model's modules, so each engine compiles a code object of its own:
+    an fp32 and an int8 engine of the same model, stepping in turn, each decode as their eager selves."""
+    fp32 = _load(probe_model_dir, calibration_dir, compile_decode=True)
+    int8 = _load(probe_model_dir, calibration_dir, weights="int8", compile_decode=True)
+    ids = fp32.render_prompt(PROMPT)
+    for engine in (fp32, int8, fp32, int8):
+        eager = engine.measure_decode(ids, ExecutionPlan(), 5, compiled=False)
+        compiled = engine.measure_decode(ids, ExecutionPlan(), 5, compiled=True)
+        assert engine.compiled_decode(True) is not None, engine.compiled_decode_failure
+        assert compiled.tokens == eager.tokens
+        assert compiled.ledger.decode_bytes_read == eager.ledger.decode_bytes_read
