@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prunewatch.bench import frontier, mechanisms
+from prunewatch.bench import frontier, mechanisms, precision
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -21,6 +21,7 @@ CITED_TABLES: tuple[tuple[str, Callable[[dict], str]], ...] = (
     ("bench/results/mechanisms-smollm2-cpu.json", mechanisms.format_table),
     ("bench/results/mechanisms-cpu.json", mechanisms.format_table),
     ("bench/results/frontier-SmolLM2-135M-Instruct.json", frontier.format_table),
+    ("bench/results/precision-cpu.json", precision.format_table),
 )
 
 

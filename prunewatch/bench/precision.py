@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
+from prunewatch.bench.mechanisms import QUALITY_TARGET
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 from prunewatch.records.intervals import bootstrap_rate, bootstrap_share
 
@@ -273,7 +274,9 @@ def write_plot(result: dict, path: Path) -> None:
         axis.errorbar(row["speedup_vs_fp32_dense_paired"], row["agreement"], yerr=[[low], [high]], fmt="o" if
                       row["plan"] == "dense" else "s", color=colors.get(row["precision"], "gray"), capsize=4,
                       label=f"{row['precision']} {row['plan']}")
-    axis.set_xlabel("decode speedup over fp32 dense (median within rounds)")
+    floor = QUALITY_TARGET["agreement"]
+    axis.axhline(floor, linestyle="--", color="gray", linewidth=1, label=f"quality floor {floor}")
+    axis.set_xlabel("decode speedup over fp32 dense, eager (median within rounds)")
     axis.set_ylabel("agreement with fp32 dense (95% interval)")
     axis.set_title(f"Precision x sparsity, {result['model']['name']} ({result['machine']['torch_threads']} threads)")
     axis.grid(alpha=0.3)
