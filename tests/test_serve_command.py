@@ -54,3 +54,35 @@ def test_a_taken_port_is_one_line_exit_2_before_the_model_is_looked_at(name, tmp
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot serve on 127.0.0.1:{port}: "), result.stderr
+
+
+def test_an_unknown_weight_format_is_one_line_exit_2(tmp_path):
+    result = CliRunner().invoke(cli_app, ["serve", "--model", str(tmp_path), "--port", str(free_port()),
+                                          "--weights", "int4"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == "error: --weights must be fp32 or int8, got 'int4'"
+
+
+def test_serve_passes_the_weight_format_to_the_engine_and_leaves_the_variable_otherwise(monkeypatch, tmp_path):
+    """The weight format serve passes reaches EngineSettings; without one PRUNEWATCH_ENGINE_WEIGHTS (or fp32) decides."""
+    import prunewatch.server.run as run
+
+    seen: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(settings):
+        seen.append(settings.weights)
+        raise Stop
+
+    monkeypatch.setattr(run.PruningEngine, "load", staticmethod(fake_load))
+    for args, env, expected in (([], None, "fp32"), (["--weights", "int8"], None, "int8"), ([], "int8", "int8")):
+        if env is None:
+            monkeypatch.delenv("PRUNEWATCH_ENGINE_WEIGHTS", raising=False)
+        else:
+            monkeypatch.setenv("PRUNEWATCH_ENGINE_WEIGHTS", env)
+        weights = args[1] if args else None
+        with pytest.raises(Stop):
+            build_engine(tmp_path, weights=weights)
+        assert seen[-1] == expected
