@@ -139,8 +139,13 @@ def test_int8_engine_generates_and_its_default_plan_prunes(probe_model_dir, cali
     assert result.stats.quality is not None
 
 
-def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(probe_model_dir, calibration_dir):
-    engine = _load(probe_model_dir, calibration_dir, weights="int8", compile_decode=True)
+@pytest.fixture(scope="module")
+def compiled_int8(probe_model_dir, calibration_dir):
+    return _load(probe_model_dir, calibration_dir, weights="int8", compile_decode=True)
+
+
+def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(compiled_int8):
+    engine = compiled_int8
     ids = engine.render_prompt(PROMPT)
     plan = engine.execution_plan(ids, engine.settings.sensitivity, [], prompt_text=PROMPT)
     for chosen in (ExecutionPlan(), plan):
@@ -152,11 +157,11 @@ def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(probe_model_di
             <= 1e-3 * eager.ledger.decode_bytes_read
 
 
-def test_two_engines_of_one_family_never_run_each_others_graphs(probe_model_dir, calibration_dir):
+def test_two_engines_of_one_family_never_run_each_others_graphs(probe_model_dir, calibration_dir, compiled_int8):
     """Compiled graphs keep no guards on the model's modules, so each engine compiles a code object of its own:
     an fp32 and an int8 engine of the same model, stepping in turn, each decode as their eager selves."""
     fp32 = _load(probe_model_dir, calibration_dir, compile_decode=True)
-    int8 = _load(probe_model_dir, calibration_dir, weights="int8", compile_decode=True)
+    int8 = compiled_int8
     ids = fp32.render_prompt(PROMPT)
     for engine in (fp32, int8, fp32, int8):
         eager = engine.measure_decode(ids, ExecutionPlan(), 5, compiled=False)
