@@ -28,13 +28,13 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.bench.mechanisms import QUALITY_TARGET
+from prunewatch.bench.speed import paired_ratio
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 from prunewatch.records.intervals import bootstrap_rate, bootstrap_share
 
@@ -112,10 +112,6 @@ def _plan(engine: PruningEngine, name: str, prompt_ids: list[int], prompt: str):
         return ExecutionPlan()
     return engine.execution_plan(prompt_ids, engine.settings.sensitivity, list(engine.settings.layer_blacklist),
                                  prompt_text=prompt)
-
-
-def _paired(rates: Sequence[float], baseline: Sequence[float]) -> float:
-    return statistics.median(rate / base for rate, base in zip(rates, baseline, strict=True))
 
 
 def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, compiled: bool) -> dict[str, dict]:
@@ -208,9 +204,9 @@ def rows_of(speed: dict[str, dict], quality: dict[str, dict]) -> list[PrecisionR
             rounds=[round(v, 3) for v in s["rates"]], bytes_per_token=int(s["bytes_per_token"]),
             decode_pruning_ratio=round(s["decode_pruning_ratio"], 4),
             speedup_vs_fp32_dense=round(medians[name] / medians[fp32_dense], 4),
-            speedup_vs_fp32_dense_paired=round(_paired(s["rates"], speed[fp32_dense]["rates"]), 4),
+            speedup_vs_fp32_dense_paired=round(paired_ratio(s["rates"], speed[fp32_dense]["rates"]), 4),
             speedup_vs_same_precision_dense=round(medians[name] / medians[own_dense], 4),
-            speedup_vs_same_precision_dense_paired=round(_paired(s["rates"], speed[own_dense]["rates"]), 4),
+            speedup_vs_same_precision_dense_paired=round(paired_ratio(s["rates"], speed[own_dense]["rates"]), 4),
             agreement_with_eager=s.get("agreement_with_eager"), **quality[f"{precision} {plan}"]))
     return rows
 
