@@ -1,19 +1,22 @@
 """Precision x sparsity: `prunewatch bench precision` (or `python -m prunewatch.bench.precision`).
 
 One run, one machine, the same threads, on the real model (SmolLM2-135M-Instruct by default):
-1. two engines of the same model, fp32 weights and int8 weights (EngineSettings.weights;
+1. three engines of the same model, fp32, int8 and int4 weights (EngineSettings.weights;
    prunewatch/engine/sparse/quantize.py), each at sensitivity 0 (dense) and at its default operating point;
-2. decode speed: each of the four configurations greedy-decodes the same prompt for `--tokens` tokens
+2. decode speed: each of the six configurations greedy-decodes the same prompt for `--tokens` tokens
    (end of sequence ignored), `--rounds` times in rotating order; tokens/s as the median over rounds, the
    speedups both as a ratio of medians and within rounds (median of each round's ratio, which a load
    slowing the whole round cancels), and the weight and KV bytes a decode step reads from the ledger; the
-   same four again with compiled decode steps (prunewatch.engine.compiled_decode; graphs compiled in the
+   same six again with compiled decode steps (prunewatch.engine.compiled_decode; graphs compiled in the
    warm-up, untimed; --no-compiled skips them), each with the share of its tokens equal to its eager run's;
 3. quality: every prompt of the held-out evaluation set (prunewatch/probes/evaluation.yaml, never
    calibrated on) served by each configuration, interleaved, and each served answer scored by the fp32
    dense model (reference-scored agreement: the share of answer tokens equal to fp32 dense's argmax given
    the served prefix), pooled over prompts with a 95% interval bootstrapped over prompts; the prompts'
-   checks give a pass rate likewise.
+   checks give a pass rate likewise;
+4. with `--peer llama.cpp`: llama.cpp's llama-bench on the same model (F32, Q8_0 and Q4_1 GGUFs made from the
+   one `models pull` keeps; prunewatch/bench/llama_cpp.py), same threads and decoded tokens, taking its turn in
+   the same rotating rounds; each engine configuration's ratio to it within rounds.
 
 Writes JSON and a PNG (speedup over fp32 dense against agreement, with intervals) to bench/results and
 prints a table. Tests never assert timings: tests/engine/test_precision_bench.py checks structure on the
@@ -33,6 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
+from prunewatch.bench.llama_cpp import PEER_TYPES, LlamaCpp, PeerUnavailableError, bench_command, peer_gguf, run_tool
+from prunewatch.bench.llama_cpp import decode_rate as peer_decode_rate
 from prunewatch.bench.mechanisms import QUALITY_TARGET
 from prunewatch.bench.speed import paired_ratio
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
@@ -45,7 +50,7 @@ logger = logging.getLogger("prunewatch.bench.precision")
 
 PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
 REAL_MODEL_DIR = models_root() / DEFAULT_MODEL
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "int8", "int4")
 PLANS = ("dense", "default")
 MODES = ("eager", "compiled")
 METHOD = {
@@ -61,6 +66,13 @@ METHOD = {
     "changed_answers": "measured: share of prompts whose served answer differs from fp32 dense's",
     "agreement_with_eager": "measured: share of a compiled run's speed-prompt tokens equal to the eager run's; "
                             "quality is measured on the eager runs",
+}
+PEER_METHOD = {
+    "tokens_per_s": "measured by llama-bench (its own timer of the decode of the same number of tokens after a "
+                    "context of the speed prompt's length), one repetition per round in the engine's rotation, "
+                    "median over rounds",
+    "engine_<plan>_<mode>_vs_llama_cpp": "measured: median over rounds of the engine configuration's tokens/s over "
+                                         "llama.cpp's in the same round, at the corresponding precision",
 }
 
 
@@ -114,8 +126,10 @@ def _plan(engine: PruningEngine, name: str, prompt_ids: list[int], prompt: str):
                                  prompt_text=prompt)
 
 
-def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, compiled: bool) -> dict[str, dict]:
-    """Decode tokens/s and counted bytes per step of every (precision, plan, mode), rounds in rotating order."""
+def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, compiled: bool,
+                  peer: PeerRuns | None = None) -> dict[str, dict]:
+    """Decode tokens/s and counted bytes per step of every (precision, plan, mode), rounds in rotating order;
+    with a peer, its run at each precision takes its turn in the same rotation (plan "llama.cpp")."""
     names = [(p, plan, mode) for mode in (MODES if compiled else MODES[:1]) for p in engines for plan in PLANS]
     runs = {}
     for precision, plan_name, mode in names:
@@ -126,21 +140,80 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
         engine.measure_decode(ids, plan, min(tokens, 8), compiled=graph)
         if graph and engine.compiled_decode(True) is None:
             raise RuntimeError(f"the compiled decode step failed to compile: {engine.compiled_decode_failure}")
-    rates: dict[tuple[str, str, str], list[float]] = {name: [] for name in names}
+    peer_names = [(p, PEER, "eager") for p in peer.ggufs] if peer is not None else []
+    order = names + peer_names
+    rates: dict[tuple[str, str, str], list[float]] = {name: [] for name in order}
     measured: dict[tuple[str, str, str], dict] = {}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            if name[1] == PEER:
+                assert peer is not None
+                rates[name].append(peer.decode_rate(name[0], tokens - 1))
+                continue
             engine, ids, plan, graph = runs[name]
             decode = engine.measure_decode(ids, plan, tokens, compiled=graph)
             rates[name].append((tokens - 1) / decode.decode_s)
             measured[name] = {"bytes_per_token": decode.ledger.decode_bytes_read // (tokens - 1),
                               "decode_pruning_ratio": decode.ledger.decode_pruning_ratio, "tokens": decode.tokens}
         logger.info("round %d: %s", r + 1, {" ".join(k): round(v[-1], 2) for k, v in rates.items()})
+    if peer is not None:
+        peer.rates = {p: rates[(p, PEER, "eager")] for p in peer.ggufs}
     for (precision, plan, mode), values in measured.items():
         if mode == "compiled":
             eager = measured[(precision, plan, "eager")]["tokens"]
             values["agreement_with_eager"] = round(sum(a == b for a, b in zip(values["tokens"], eager)) / len(eager), 4)
     return {" ".join(name): {"rates": rates[name], **measured[name]} for name in names}
+
+
+PEER = "llama.cpp"
+
+
+@dataclass
+class PeerRuns:
+    """llama.cpp's llama-bench at the precision matching each engine precision, in the engine's rounds."""
+
+    llama: LlamaCpp
+    ggufs: dict[str, Path]  # engine precision -> GGUF at the matching llama.cpp type
+    threads: int
+    depth: int  # context tokens before the timed decode: the engine's speed prompt length
+    repack: bool = True
+    rates: dict[str, list[float]] | None = None
+
+    def command(self, precision: str, decoded: int) -> list[str]:
+        return bench_command(self.llama, self.ggufs[precision], self.threads, decoded, self.depth, 1, self.repack)
+
+    def decode_rate(self, precision: str, decoded: int) -> float:
+        return peer_decode_rate(run_tool(self.command(precision, decoded)))
+
+    def rows(self, speed: dict[str, dict], decoded: int) -> list[dict]:
+        """Per precision: llama.cpp's tokens/s and the engine's dense and default against it, within rounds."""
+        rows = []
+        for precision, values in (self.rates or {}).items():
+            row: dict = {"precision": precision, "llama_cpp_type": PEER_TYPES[precision],
+                         "gguf": self.ggufs[precision].name, "tokens_per_s": round(statistics.median(values), 3),
+                         "rounds": [round(v, 3) for v in values], "command": " ".join(self.command(precision, decoded))}
+            for plan in PLANS:
+                for mode in MODES:
+                    ours = speed.get(f"{precision} {plan} {mode}")
+                    if ours is not None:
+                        row[f"engine_{plan}_{mode}_vs_llama_cpp"] = round(paired_ratio(ours["rates"], values), 4)
+            rows.append(row)
+        return rows
+
+
+def prepare_peer(engines: dict[str, PruningEngine], model_dir: Path, llama_cpp_dir: Path | None,
+                 threads: int, repack: bool) -> PeerRuns:
+    """llama.cpp's GGUFs for every engine precision, made from the GGUF `models pull` kept with the model."""
+    from prunewatch.engine.model_store import source_gguf
+
+    llama = LlamaCpp.find(llama_cpp_dir)
+    source = source_gguf(model_dir)
+    if source is None:
+        raise PeerUnavailableError(f"{model_dir} holds no source GGUF for llama.cpp to run: models pulled "
+                                   "before the GGUF was kept need `prunewatch models pull` again")
+    ggufs = {p: peer_gguf(llama, source, p) for p in engines}
+    depth = len(engines["fp32"].render_prompt(PROMPT))
+    return PeerRuns(llama=llama, ggufs=ggufs, threads=threads, depth=depth, repack=repack)
 
 
 def measure_quality(engines: dict[str, PruningEngine], max_new_tokens: int, probes: int | None) -> dict[str, dict]:
@@ -212,14 +285,17 @@ def rows_of(speed: dict[str, dict], quality: dict[str, dict]) -> list[PrecisionR
 
 
 def run(model_dir: Path, *, tokens: int, rounds: int, max_new_tokens: int, probes: int | None,
-        calibration_dir: Path | None, threads: int | None, out: Path, plot: Path | None, compiled: bool = True) -> dict:
+        calibration_dir: Path | None, threads: int | None, out: Path, plot: Path | None, compiled: bool = True,
+        peer: str | None = None, llama_cpp_dir: Path | None = None, peer_repack: bool = True) -> dict:
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
     started = time.time()
     engines = {precision: _engine(model_dir, precision, calibration_dir) for precision in PRECISIONS}
-    speed = measure_speed(engines, tokens, rounds, compiled)
+    peer_runs = (prepare_peer(engines, model_dir, llama_cpp_dir, torch.get_num_threads(), peer_repack)
+                 if peer == PEER else None)
+    speed = measure_speed(engines, tokens, rounds, compiled, peer_runs)
     quality = measure_quality(engines, max_new_tokens, probes)
     rows = rows_of(speed, quality)
     result = {
@@ -232,6 +308,10 @@ def run(model_dir: Path, *, tokens: int, rounds: int, max_new_tokens: int, probe
         "method": METHOD,
         "rows": [asdict(r) for r in rows],
     }
+    if peer_runs is not None:
+        result["peer"] = {"name": PEER, "version": peer_runs.llama.version(), "repack": peer_runs.repack,
+                          "context_tokens": peer_runs.depth, "rows": peer_runs.rows(speed, tokens - 1),
+                          "method": PEER_METHOD}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     if plot is not None:
@@ -251,6 +331,10 @@ def format_table(result: dict) -> str:
                      f"{row['speedup_vs_fp32_dense']:>6.2f}x ({row['speedup_vs_fp32_dense_paired']:.2f}x) "
                      f"{row['speedup_vs_same_precision_dense']:>6.2f}x ({row['speedup_vs_same_precision_dense_paired']:.2f}x)"
                      f" {row['bytes_per_token'] / 1e6:>8.1f} {row['decode_pruning_ratio']:>12.3f}  {agreement}")
+    for peer in result.get("peer", {}).get("rows", []):
+        lines.append(f"{PEER + ' ' + peer['llama_cpp_type']:<23} {peer['tokens_per_s']:>7.2f}  engine {peer['precision']} "
+                     + ", ".join(f"{k.removeprefix('engine_').removesuffix('_vs_llama_cpp').replace('_', ' ')} "
+                                 f"{v:.2f}x" for k, v in peer.items() if k.endswith("_vs_llama_cpp")))
     return "\n".join(lines)
 
 
@@ -262,7 +346,7 @@ def write_plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axis = plt.subplots(figsize=(7, 4.5))
-    colors = {"fp32": "tab:blue", "int8": "tab:orange"}
+    colors = {"fp32": "tab:blue", "int8": "tab:orange", "int4": "tab:green"}
     for row in result["rows"]:
         if row["agreement"] is None or row["mode"] != "eager":
             continue
@@ -296,15 +380,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=RESULTS_DIR / "precision-cpu.png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-compiled", action="store_true", help="skip the runs with compiled decode steps")
+    parser.add_argument("--peer", choices=[PEER], default=None,
+                        help="time llama.cpp's llama-bench at each precision in the same rounds (F32, Q8_0, Q4_1)")
+    parser.add_argument("--llama-cpp-dir", type=Path, default=None,
+                        help="llama.cpp build holding bin/llama-bench (default: $PRUNEWATCH_LLAMA_CPP_DIR, else "
+                             "the cache; bench/build-llama-cpp.sh makes one)")
+    parser.add_argument("--peer-no-repack", action="store_true",
+                        help="run llama.cpp without repacking quantized weights at load")
     args = parser.parse_args(argv)
     if args.tokens < 2 or args.rounds < 1 or args.max_new_tokens < 1:
         parser.error("--tokens must be >= 2, --rounds and --max-new-tokens >= 1")
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"no model at {args.model_dir} (run `prunewatch models pull`)")
+    if args.peer is not None:
+        try:
+            LlamaCpp.find(args.llama_cpp_dir)
+        except PeerUnavailableError as exc:
+            parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    result = run(args.model_dir, tokens=args.tokens, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
-                 probes=args.probes, calibration_dir=args.calibration_dir, threads=args.threads, out=args.out,
-                 plot=None if args.no_plot else args.plot, compiled=not args.no_compiled)
+    try:
+        result = run(args.model_dir, tokens=args.tokens, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
+                     probes=args.probes, calibration_dir=args.calibration_dir, threads=args.threads, out=args.out,
+                     plot=None if args.no_plot else args.plot, compiled=not args.no_compiled, peer=args.peer,
+                     llama_cpp_dir=args.llama_cpp_dir, peer_repack=not args.peer_no_repack)
+    except PeerUnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(format_table(result))
     print(f"wrote {args.out}")
     return 0

@@ -19,7 +19,7 @@ DEFAULT_DEVICE = "auto"
 here because prunewatch.engine.settings imports torch and --help must not; a test checks that they agree."""
 
 _DEVICES: dict[str, Literal["auto", "cpu", "cuda"]] = {"auto": "auto", "cpu": "cpu", "cuda": "cuda"}
-_WEIGHTS: dict[str, Literal["fp32", "int8"]] = {"fp32": "fp32", "int8": "int8"}  # EngineSettings.weights
+_WEIGHTS: dict[str, Literal["fp32", "int8", "int4"]] = {"fp32": "fp32", "int8": "int8", "int4": "int4"}  # EngineSettings.weights
 
 
 def serve_model(model: str | Path | None, *, host: str, port: int, device: str = DEFAULT_DEVICE,

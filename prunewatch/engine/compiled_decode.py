@@ -96,8 +96,8 @@ class CompiledDecode:
             output_head.attach_counter(self.stats, self.thresholds, self.keeps, self._head_slot)
         self._in = torch.tensor([m.in_features for m in self.layers], dtype=torch.long)
         self._flops_per_channel = torch.tensor([2 * m.out_features for m in self.layers], dtype=torch.long)
-        self._bytes_per_channel = torch.tensor([m.out_features * m.weight_t.element_size() for m in self.layers],
-                                               dtype=torch.long)
+        self._bytes_per_channel = torch.tensor([m.weight_t.shape[1] * m.weight_t.element_size() for m in self.layers],
+                                               dtype=torch.long)  # one row of the kernel's weights (int4: out / 2 bytes)
         head = self.model.get_output_embeddings()
         self._head_linear = getattr(head, "linear", head)
         self._head_flops = _linear_flops_per_row(self._head_linear) or 0

@@ -12,8 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from prunewatch.engine.anomaly import AnomalyLimits
 from prunewatch.engine.signals import SignalWeights
 
-WeightFormat = Literal["fp32", "int8"]
-"""How the engine holds the weights of the linear layers it computes: fp32, or int8 per output channel."""
+WeightFormat = Literal["fp32", "int8", "int4"]
+"""How the engine holds the weights of the linear layers it computes: fp32, int8 per output channel, or int4 in
+groups of 32 input channels (GGUF Q4_1 blocks; the output head stays int8)."""
 
 DEFAULT_ACTIVATION_SPARSITY = 0.6
 """At the default sensitivity 0.5 and typical prompt signals, a mean input sparsity of up to 0.3 spread by
@@ -169,8 +170,10 @@ class EngineSettings(BaseSettings):
         description=(
             "How the linear layers' weights are held and read: 'fp32' as loaded, or 'int8' with one scale per "
             "output channel (prunewatch/engine/sparse/quantize.py), which every decode step reads through the sparse "
-            "kernel, dense plans included: a quarter of the bytes per step, on the CPU only. The quality of int8 "
-            "against fp32 dense is measured by `prunewatch bench precision`."),
+            "kernel, dense plans included: a quarter of the bytes per step, on the CPU only; or 'int4' in groups of 32 "
+            "input channels with an fp16 scale and minimum each (GGUF's Q4_1 block: a model shipped as Q4_1 keeps "
+            "its exact weights), the output head int8, and a layer whose sizes are not multiples of 32 int8 too. "
+            "The quality of each against fp32 dense is measured by `prunewatch bench precision`."),
     )
     threads: int | None = Field(
         None, ge=1, le=1024,

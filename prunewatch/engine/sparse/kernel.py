@@ -39,7 +39,8 @@ _MODULE: ModuleType | None = None
 
 RawKernel = Callable[..., tuple[torch.Tensor, int, int]]
 """(x, weight_t, bias, scale, threshold, keep, threads[, weight_scale]) -> (output, active channels, kept entries);
-weight_scale: the per-output scales of int8 weight_t (CPU kernel only), None for floating-point weights."""
+weight_scale: the per-output scales of int8 weight_t, or the per-group scales and minimums of int4 (uint8) weight_t
+(CPU kernel only; prunewatch/engine/sparse/quantize.py), None for floating-point weights."""
 
 
 class SparseKernelUnavailableError(EngineError):
@@ -175,7 +176,8 @@ def counted_op() -> Callable[..., torch.Tensor]:
             # What the compiler traces instead of the kernel: the output's shape and dtype only.
             @torch.library.register_fake("prunewatch::sparse_linear_counted")
             def _(x, wt, bias, scale, thresholds, keeps, threads, stats, slot, weight_scale=None):
-                return x.new_empty((x.shape[0], wt.shape[1]))
+                out = wt.shape[1] * 2 if wt.dtype == torch.uint8 else wt.shape[1]  # int4: two outputs per byte
+                return x.new_empty((x.shape[0], out))
 
             _FAKE_REGISTERED = True
     return torch.ops.prunewatch.sparse_linear_counted
@@ -199,7 +201,8 @@ def sparse_linear(
     rows). With keep >= 0 the rows share the `keep` channels of largest summed score. threads: at
     most this many of torch's intra-op threads (0: all of them; 1: the calling thread only; unused
     on CUDA). weight_scale: with int8 weight_t, one float32 scale per output channel (y = the int8 product
-    times it, then the bias; CPU only). CPU tensors run the compiled kernel, CUDA tensors the Triton kernel.
+    times it, then the bias); with int4 weight_t (uint8, two weights per byte), float16 (in / 32, 2, out)
+    scales and minimums (quantize.quantize_int4); CPU only. CPU tensors run the compiled kernel, CUDA tensors the Triton kernel.
     """
     output, active, kept = device_kernel(x.device)(x, weight_t, bias, scale, float(threshold), int(keep), int(threads),
                                                    weight_scale)

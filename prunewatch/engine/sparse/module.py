@@ -10,8 +10,8 @@ skipping rows of a weight matrix saves no time: it applies the same mask and run
 which stays counted as dense work. Without a plan, or with a target of 0, the dense layer runs
 untouched and is counted as dense.
 
-With int8 weights (SparsityOptions.weights, prunewatch/engine/sparse/quantize.py) the kernel reads int8
-rows and applies one scale per output; every call with few rows goes to it, the dense ones too (all
+With int8 or int4 weights (SparsityOptions.weights, prunewatch/engine/sparse/quantize.py) the kernel reads
+the quantized rows (int4: and the scales and minimums of every group, counted in full per call); every call with few rows goes to it, the dense ones too (all
 channels read), so a decode step reads a quarter of the fp32 bytes whether or not it prunes. The
 wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS
 product is faster than converting int8 weights row by row) and for head-gated slices: every path
@@ -32,7 +32,14 @@ from prunewatch.engine.execution import (
     current_execution,
 )
 from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel
-from prunewatch.engine.sparse.quantize import WeightFormat, dequantize_int8, quantize_int8
+from prunewatch.engine.sparse.quantize import (
+    WeightFormat,
+    dequantize_int4,
+    dequantize_int8,
+    int4_fits,
+    quantize_int4,
+    quantize_int8,
+)
 from prunewatch.engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
 from prunewatch.engine.sparse.thresholds import LayerThresholds
 
@@ -63,8 +70,9 @@ class SparsityOptions(BaseModel):
     weights: WeightFormat = Field(
         "fp32",
         description=(
-            "How the kernel holds the weights: fp32, or int8 with one scale per output channel (a quarter of "
-            "the bytes a decode step reads; CPU only)."))
+            "How the kernel holds the weights: fp32, int8 with one scale per output channel (a quarter of "
+            "the bytes a decode step reads; CPU only), or int4 in groups of 32 input channels (an eighth, plus "
+            "fp16 scales and minimums; layers whose sizes are not multiples of 32 stay int8)."))
 
 
 class SparseLinear(LinearWrapper):
@@ -97,13 +105,20 @@ class SparseLinear(LinearWrapper):
         else:
             weight_t = weight.t().contiguous()  # (in, out): one contiguous row per input channel
         weight_scale = None
-        self.quantized = options.weights == "int8"
+        self.quantized = options.weights != "fp32"
+        # int4 where the sizes allow it (multiples of 32), else int8
+        self.weight_format: WeightFormat = options.weights if options.weights != "int4" or int4_fits(
+            self.in_features, self.out_features) else "int8"
         if self.quantized:
             if weight.device.type != "cpu":
                 raise SparseKernelUnavailableError(
-                    f"int8 weights have a CPU kernel only; the model is on {weight.device.type}")
-            weight_t, weight_scale = quantize_int8(weight_t)
-            exact = dequantize_int8(weight_t, weight_scale).to(weight.dtype)  # the values the kernel multiplies by
+                    f"{options.weights} weights have a CPU kernel only; the model is on {weight.device.type}")
+            if self.weight_format == "int4":
+                weight_t, weight_scale = quantize_int4(weight_t)
+                exact = dequantize_int4(weight_t, weight_scale).to(weight.dtype)
+            else:
+                weight_t, weight_scale = quantize_int8(weight_t)
+                exact = dequantize_int8(weight_t, weight_scale).to(weight.dtype)  # the values the kernel multiplies by
             linear.weight = nn.Parameter(exact if self._conv1d else exact.t(), requires_grad=False)
         elif not self._conv1d and options.share_weight_storage:
             linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
@@ -115,7 +130,7 @@ class SparseLinear(LinearWrapper):
         self._bias = (linear.bias,)  # a tuple: read per call without nn.Module's attribute lookup
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
         self._flops_per_active_row = 2 * self.out_features  # per active input channel and token row
-        self._bytes_per_active = self.out_features * weight_t.element_size()  # one weight row read
+        self._bytes_per_active = weight_t.shape[1] * weight_t.element_size()  # one weight row read (int4: out / 2)
         self._scale_bytes = 0 if weight_scale is None else weight_scale.numel() * weight_scale.element_size()
         self._thresholds_by_target: dict[float, float] = {}
         # (plan, target_under(plan)) of the last call: a request's ~7 calls per block per token share one
@@ -125,7 +140,7 @@ class SparseLinear(LinearWrapper):
 
     @property
     def dense_read_bytes(self) -> int:
-        """Bytes a dense call with few rows reads: the fp32 weights, or the int8 rows and their scales."""
+        """Bytes a dense call with few rows reads: the fp32 weights, or the int8 / int4 rows and their scales."""
         return self._bytes_per_active * self.in_features + self._scale_bytes
 
     @property

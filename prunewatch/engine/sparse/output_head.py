@@ -59,7 +59,7 @@ class ShortlistHead(LinearWrapper):
         self.kernel_threads = kernel_threads
         weight = linear.weight.detach()
         weight_t, weight_scale = weight.t().contiguous(), None  # (hidden, vocab)
-        self.quantized = weights == "int8"
+        self.quantized = weights != "fp32"  # int8 under int4 weights too: GGUFs ship the embedding at 8 bits
         if self.quantized:
             if weight.device.type != "cpu":
                 raise SparseKernelUnavailableError(
@@ -191,7 +191,7 @@ def install_shortlist_head(model: nn.Module, max_kernel_rows: int = 16, kernel_t
     ValueError when a head already installed holds weights of another format."""
     head = model.get_output_embeddings()
     if isinstance(head, ShortlistHead):
-        if head.quantized != (weights == "int8"):
+        if head.quantized != (weights != "fp32"):
             raise ValueError(f"the output head is installed with {'int8' if head.quantized else 'fp32'} weights, "
                              f"not {weights}")
         return head

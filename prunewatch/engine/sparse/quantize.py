@@ -1,4 +1,5 @@
-"""int8 weights with one scale per output channel, in the layout the sparse kernel reads.
+"""int8 weights with one scale per output channel, and int4 weights in groups of 32 input channels with
+a scale and a minimum each, in the layouts the sparse kernel reads.
 
 Why int8 at all: a decode step reads every weight it multiplies once, and on a CPU that read is
 the step's cost, so a quarter of the bytes is up to four times the decode speed of fp32 weights,
@@ -6,6 +7,12 @@ and it composes with activation sparsity (the kernel reads only the int8 rows of
 channels). Why per output channel: symmetric round-to-nearest with one scale per output keeps
 each output's largest weight exact and costs out x 4 bytes, and the scale is applied once per
 finished output instead of once per weight.
+
+Why int4 as groups of 32 with a scale and a minimum (both fp16): that is GGUF's Q4_1 block, the format
+models often ship in (SmolLM2's GGUF holds every projection as Q4_1). Quantizing the fp32 weights a
+Q4_1 GGUF was dequantized into gives back its blocks exactly: each block's minimum is one of its values
+and its maximum is minimum + 15 x scale, so the int4 engine multiplies by the very weights the fp32 one
+does, at an eighth of their bytes plus the scales. Other weights get round-to-nearest Q4_1.
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ import torch
 
 from prunewatch.engine.settings import WeightFormat
 
-__all__ = ["INT8_MAX", "WeightFormat", "dequantize_int8", "quantize_int8"]
+__all__ = ["INT4_GROUP", "INT8_MAX", "WeightFormat", "dequantize_int4", "dequantize_int8", "int4_fits",
+           "quantize_int4", "quantize_int8"]
 
 INT8_MAX = 127  # symmetric: -127..127, so negating a weight never overflows
+INT4_GROUP = 32  # input channels per int4 scale and minimum (GGUF's Q4_0 / Q4_1 block size)
+INT4_LEVELS = 15  # q in 0..15
 
 
 def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,3 +48,44 @@ def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 (in, out) weights q * scale stands for: what the int8 kernel multiplies by."""
     return q.float() * scale
+
+
+def int4_fits(in_features: int, out_features: int) -> bool:
+    """Whether a layer can hold int4 weights: whole groups of input channels, outputs in runs of 32 (the
+    kernel widens 16 bytes into 32 outputs). A layer that cannot keeps int8 weights."""
+    return in_features % INT4_GROUP == 0 and out_features % INT4_GROUP == 0 and in_features > 0 and out_features > 0
+
+
+def quantize_int4(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scales) with weight_t[i, o] ~ d[i // 32, o] * q[i, o] + m[i // 32, o], q in 0..15.
+
+    weight_t: (in, out), in and out multiples of 32 (int4_fits). packed: uint8 (in, out / 2); in each run of
+    32 outputs byte k holds q of output k (low nibble) and of output k + 16 (high nibble). scales: float16
+    (in / 32, 2, out), d then m per group. Like llama.cpp's Q4_1: m is the group's minimum and d spans it to
+    the maximum in 15 steps (both rounded to fp16 first, so q is chosen for the values the kernel uses).
+    """
+    if weight_t.dim() != 2 or not weight_t.is_floating_point():
+        raise ValueError(f"weight_t must be a 2-D floating-point (in, out) tensor, got {tuple(weight_t.shape)} "
+                         f"{weight_t.dtype}")
+    rows, out = weight_t.shape
+    if not int4_fits(rows, out):
+        raise ValueError(f"int4 weights need in and out to be multiples of {INT4_GROUP}, got ({rows}, {out})")
+    groups = weight_t.detach().float().reshape(rows // INT4_GROUP, INT4_GROUP, out)
+    low, high = groups.amin(dim=1), groups.amax(dim=1)  # (groups, out)
+    minimum = low.half()
+    step = ((high - minimum.float()) / INT4_LEVELS).half()
+    safe = torch.where(step.float() > 0, step.float(), torch.ones_like(low))
+    q = torch.round((groups - minimum.float()[:, None, :]) / safe[:, None, :]).clamp_(0, INT4_LEVELS).to(torch.uint8)
+    q = q.reshape(rows, out // INT4_GROUP, 2, INT4_GROUP // 2)  # per run of 32: outputs 0-15, then 16-31
+    packed = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(rows, out // 2)
+    return packed.contiguous(), torch.stack((step, minimum), dim=1).contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 (in, out) weights an int4 layer stands for: what the int4 kernel multiplies by."""
+    rows = packed.shape[0]
+    out = packed.shape[1] * 2
+    runs = packed.reshape(rows, out // INT4_GROUP, INT4_GROUP // 2)
+    q = torch.stack((runs & 0xF, runs >> 4), dim=2).reshape(rows // INT4_GROUP, INT4_GROUP, out).float()
+    step, minimum = scales[:, 0, :].float(), scales[:, 1, :].float()
+    return (q * step[:, None, :] + minimum[:, None, :]).reshape(rows, out)

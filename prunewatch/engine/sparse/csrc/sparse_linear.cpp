@@ -22,6 +22,14 @@
 // of wt is then a quarter of the fp32 bytes, the same loops convert each int8 weight to fp32 before
 // its multiply-add (sums stay fp32), and the scale is applied once to each finished output. Reading
 // a quarter of the bytes is the point: at one token per step a layer is bound by its weight reads.
+//
+// Or int4 in groups of 32 input channels with a scale and a minimum per (group, output), both fp16:
+// W[o, i] ~ d[g, o] * q[i, o] + m[g, o] with q in 0..15 and g = i / 32, which is GGUF's Q4_1 block read
+// along the other axis. Row i of wt then holds out / 2 bytes: in each run of 32 outputs, byte k carries
+// output k in its low nibble and output k + 16 in its high one, so one 16-byte load widens into two
+// vectors of 16 consecutive outputs. Per group, sum_i x_i W[o, i] = d[g, o] * sum_i x_i q[i, o] +
+// m[g, o] * sum_i x_i: the inner sums run on small integers converted to fp32 in registers, and the
+// scales are applied once per group and output.
 
 #include <torch/extension.h>
 
@@ -176,6 +184,130 @@ inline void int8_group_into(const int8_t* const* w, const float* c, float* acc, 
   }
 }
 
+constexpr int64_t kQuantGroup = 32;  // int4: input channels sharing one scale and minimum per output
+
+// acc[0, out) += d * (sum over k of c[k] * q_k) + m * (sum over k of c[k]) for the `count` active rows w[k]
+// of one int4 group (d, m: that group's fp16 scale and minimum rows). The partial sums of 64 (AVX-512) or
+// 32 (AVX2) outputs stay in registers over all the group's rows, so each output is loaded and stored once
+// per group.
+inline void int4_group_into(const uint8_t* const* w, const float* c, int64_t count, const at::Half* d,
+                            const at::Half* m, float* acc, int64_t out) {
+  float total = 0.0f;
+  for (int64_t k = 0; k < count; ++k) total += c[k];
+  int64_t o = 0;
+#if defined(__AVX512F__)
+  const __m512i low = _mm512_set1_epi32(0xF);
+  const __m512 sum = _mm512_set1_ps(total);
+  auto widen = [](const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  auto half16 = [](const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  auto finish = [&](__m512 t, int64_t at) {
+    _mm512_storeu_ps(acc + at, _mm512_fmadd_ps(half16(d + at), t, _mm512_fmadd_ps(half16(m + at), sum, _mm512_loadu_ps(acc + at))));
+  };
+  for (; o + 64 <= out; o += 64) {
+    __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps(), t2 = _mm512_setzero_ps(), t3 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < count; ++k) {
+      const __m512 cv = _mm512_set1_ps(c[k]);
+      const uint8_t* p = w[k] + o / 2;
+      const __m512i v0 = widen(p), v1 = widen(p + 16);
+      t0 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), t0);
+      t1 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), t1);
+      t2 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_and_si512(v1, low)), t2);
+      t3 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), t3);
+    }
+    finish(t0, o);
+    finish(t1, o + 16);
+    finish(t2, o + 32);
+    finish(t3, o + 48);
+  }
+  for (; o + 32 <= out; o += 32) {
+    __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < count; ++k) {
+      const __m512 cv = _mm512_set1_ps(c[k]);
+      const __m512i v0 = widen(w[k] + o / 2);
+      t0 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), t0);
+      t1 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), t1);
+    }
+    finish(t0, o);
+    finish(t1, o + 16);
+  }
+#elif defined(__AVX2__)
+  const __m256i low = _mm256_set1_epi32(0xF);
+  const __m256 sum = _mm256_set1_ps(total);
+  auto widen = [](const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); };
+  auto half8 = [](const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  auto finish = [&](__m256 t, int64_t at) {
+    _mm256_storeu_ps(acc + at, _mm256_fmadd_ps(half8(d + at), t, _mm256_fmadd_ps(half8(m + at), sum, _mm256_loadu_ps(acc + at))));
+  };
+  for (; o + 32 <= out; o += 32) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps(), t3 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < count; ++k) {
+      const __m256 cv = _mm256_set1_ps(c[k]);
+      const uint8_t* p = w[k] + o / 2;
+      const __m256i v0 = widen(p), v1 = widen(p + 8);  // bytes 0-7: outputs o..o+7 and o+16..o+23; 8-15: the rest
+      t0 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), t0);
+      t1 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), t1);
+      t2 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), t2);
+      t3 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), t3);
+    }
+    finish(t0, o);
+    finish(t1, o + 8);
+    finish(t2, o + 16);
+    finish(t3, o + 24);
+  }
+#endif
+  for (; o < out; ++o) {  // every column on a CPU without AVX2 (out is a multiple of 32: no tail otherwise)
+    const int64_t byte = (o / 32) * 16 + (o % 16);
+    const int shift = (o % 32) < 16 ? 0 : 4;
+    float t = 0.0f;
+    for (int64_t k = 0; k < count; ++k) t += c[k] * static_cast<float>((w[k][byte] >> shift) & 0xF);
+    acc[o] += static_cast<float>(d[o]) * t + static_cast<float>(m[o]) * total;
+  }
+}
+
+// The int4 product of a call's active channels: work is split over the int4 groups that hold active
+// channels (a group's rows share its scales, so a group is never split between threads).
+void accumulate_int4(const Selection& sel, const uint8_t* wt, const at::Half* scales, int64_t rows, int64_t out,
+                     float* acc, int64_t num_threads) {
+  const int64_t n = static_cast<int64_t>(sel.channels.size());
+  std::vector<int64_t> starts;  // first selected channel of each int4 group that has one, then n
+  for (int64_t j = 0; j < n; ++j) {
+    if (j == 0 || sel.channels[j] / kQuantGroup != sel.channels[j - 1] / kQuantGroup) starts.push_back(j);
+  }
+  starts.push_back(n);
+  const int64_t spans = static_cast<int64_t>(starts.size()) - 1;
+  if (spans <= 0) return;
+  const int64_t row_bytes = out / 2;
+  auto body = [&](int64_t begin, int64_t end) {
+    const int64_t tid = num_threads == 1 ? 0 : std::min<int64_t>(at::get_thread_num(), num_threads - 1);
+    float* a = acc + tid * rows * out;
+    const uint8_t* w[kQuantGroup];
+    float c[kQuantGroup];
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t j0 = starts[s], j1 = starts[s + 1];
+      const int64_t g = sel.channels[j0] / kQuantGroup;
+      const at::Half* d = scales + (2 * g) * out;
+      for (int64_t b = 0; b < rows; ++b) {
+        int64_t count = 0;
+        for (int64_t j = j0; j < j1; ++j) {
+          const float v = sel.coef[j * rows + b];
+          if (v == 0.0f) continue;
+          w[count] = wt + sel.channels[j] * row_bytes;
+          c[count++] = v;
+        }
+        if (count > 0) int4_group_into(w, c, count, d, d + out, a + b * out, out);
+      }
+    }
+  };
+  // As for the other formats: a thread gets at least kMinWorkPerThread weights, else one thread does it all.
+  const int64_t min_grain = std::max<int64_t>(1, kMinWorkPerThread * spans / std::max<int64_t>(1, n * out * rows));
+  const int64_t grain = std::max(min_grain, (spans + num_threads - 1) / num_threads);
+  if (num_threads == 1 || spans <= grain) {
+    body(0, spans);
+  } else {
+    at::parallel_for(0, spans, grain, body);
+  }
+}
+
 // Output columns per tile: `out` split into equal tiles of at most kMaxTile, rounded up to whole cache lines.
 // Equal rather than fixed-width tiles: a 576-wide layer as one tile instead of 512 + 64 ran its products
 // 4-5% faster (SmolLM2-135M's decode inputs, one thread), the short tail tile costing a pass of its own.
@@ -314,18 +446,31 @@ void check_inputs(const at::Tensor& x, const at::Tensor& wt, const c10::optional
   TORCH_CHECK(x.size(1) == wt.size(0), "sparse_linear: x has ", x.size(1), " input channels, wt has ", wt.size(0));
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == wt.size(0) && scale.scalar_type() == at::kFloat,
               "sparse_linear: scale must be a float32 vector of length in");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == wt.size(1), "sparse_linear: bias must have length out");
-  }
-  const bool quantized = wt.scalar_type() == at::kChar;
+  const bool quantized = wt.scalar_type() == at::kChar || wt.scalar_type() == at::kByte;
   TORCH_CHECK(quantized == weight_scale.has_value(),
-              "sparse_linear: int8 weights need weight_scale (one float32 scale per output channel), "
-              "and only int8 weights take one");
-  if (quantized) {
+              "sparse_linear: int8 and int4 weights need weight_scale (int8: one float32 scale per output "
+              "channel; int4: float16 (in / 32, 2, out) scales and minimums), and only they take one");
+  if (wt.scalar_type() == at::kChar) {
     TORCH_CHECK(weight_scale->dim() == 1 && weight_scale->size(0) == wt.size(1) &&
                     weight_scale->scalar_type() == at::kFloat && weight_scale->device().is_cpu() &&
                     weight_scale->is_contiguous(),
                 "sparse_linear: weight_scale must be a contiguous float32 CPU vector of length out");
+  } else if (quantized) {
+    const int64_t out = wt.size(1) * 2;
+    TORCH_CHECK(wt.size(0) % kQuantGroup == 0 && out % kQuantGroup == 0,
+                "sparse_linear: int4 weights need in and out to be multiples of 32, got in ", wt.size(0), ", out ", out);
+    TORCH_CHECK(weight_scale->dim() == 3 && weight_scale->size(0) == wt.size(0) / kQuantGroup &&
+                    weight_scale->size(1) == 2 && weight_scale->size(2) == out &&
+                    weight_scale->scalar_type() == at::kHalf && weight_scale->device().is_cpu() &&
+                    weight_scale->is_contiguous(),
+                "sparse_linear: int4 weight_scale must be a contiguous float16 CPU tensor of shape (in / 32, 2, out)");
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, "sparse_linear: bias must have length out");
+    }
+    return;
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == wt.size(1), "sparse_linear: bias must have length out");
   }
 }
 
@@ -362,7 +507,8 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, cons
                                                        int64_t keep, int64_t threads,
                                                        const c10::optional<at::Tensor>& weight_scale) {
   check_inputs(x, wt, bias, scale, weight_scale);
-  const int64_t rows = x.size(0), in = wt.size(0), out = wt.size(1);
+  const bool int4 = wt.scalar_type() == at::kByte;
+  const int64_t rows = x.size(0), in = wt.size(0), out = int4 ? wt.size(1) * 2 : wt.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor sc = scale.contiguous();
   const Selection sel = keep < 0
@@ -373,6 +519,13 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, cons
   // One (rows, out) accumulator per thread; with one thread it is the output itself (no view, no sum:
   // at one token per step these per-call operators cost as much as a small layer's weights).
   at::Tensor acc = num_threads == 1 ? at::zeros({rows, out}, xf.options()) : at::zeros({num_threads, rows, out}, xf.options());
+  if (int4) {
+    accumulate_int4(sel, wt.data_ptr<uint8_t>(), weight_scale->data_ptr<at::Half>(), rows, out, acc.data_ptr<float>(),
+                    num_threads);
+    at::Tensor y = num_threads == 1 ? acc : acc.sum(0);
+    if (bias.has_value()) y.add_(bias->to(at::kFloat));
+    return std::make_tuple(y.to(x.scalar_type()), static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
+  }
   if (weight_scale.has_value()) {
     accumulate<int8_t>(sel, wt.data_ptr<int8_t>(), rows, out, acc.data_ptr<float>(), num_threads);
     return std::make_tuple(finish_int8(acc, num_threads, rows, out, *weight_scale, bias).to(x.scalar_type()),
