@@ -204,8 +204,10 @@ def serve_command(
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of each generation (default: the cores shared among "
                                                   "the workers). (env PRUNEWATCH_ENGINE_THREADS)")] = None,
     probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,
-    weights: Annotated[str | None, typer.Option(help="fp32, or int8 (one scale per output channel; a quarter of the "
-                                                  "bytes per decode step, CPU only). (env PRUNEWATCH_ENGINE_WEIGHTS)")] = None,
+    weights: Annotated[str | None, typer.Option(help="fp32, int8 (one scale per output channel; a quarter of the "
+                                                  "bytes per decode step) or int4 (groups of 32 with a scale and "
+                                                  "minimum, GGUF Q4_1; head int8); CPU only. "
+                                                  "(env PRUNEWATCH_ENGINE_WEIGHTS)")] = None,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""
     serve_model(model, host=host, port=port, sensitivity=sensitivity, device=device, queue_depth=queue_depth,
@@ -260,8 +262,9 @@ def bench_frontier_command(ctx: typer.Context) -> None:
 
 @bench_app.command("precision", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_precision_command(ctx: typer.Context) -> None:
-    """fp32 and int8 weights, each dense and at the default, on the real model in one run: decode tokens/s and
-    speedups within rounds, bytes per step, and agreement of the served answers with fp32 dense."""
+    """fp32, int8 and int4 weights, each dense and at the default, on the real model in one run: decode tokens/s
+    and speedups within rounds, bytes per step, agreement of the served answers with fp32 dense, and with
+    --peer llama.cpp llama-bench at F32/Q8_0/Q4_1 in the same rounds."""
     from prunewatch.bench.precision import main as bench_main
 
     _run_bench(bench_main, list(ctx.args))

@@ -247,7 +247,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, probe_model_d
     ("run", "PRUNEWATCH_ENGINE_LAYER_BLACKLIST", "notjson", 'invalid setting: error parsing value for field "layer_blacklist"'),
     ("run", "PRUNEWATCH_ENGINE_SIGNAL_WEIGHTS", "[1]", "invalid EngineSettings setting: signal_weights"),
     ("serve", "PRUNEWATCH_ENGINE_SPARSITY_FAMILY_SCALE", "{bad", 'error parsing value for field "sparsity_family_scale"'),
-    ("serve", "PRUNEWATCH_ENGINE_WEIGHTS", "int4", "weights: Input should be 'fp32' or 'int8' (got 'int4')"),
+    ("serve", "PRUNEWATCH_ENGINE_WEIGHTS", "int2", "weights: Input should be 'fp32', 'int8' or 'int4' (got 'int2')"),
 ])
 def test_a_variable_that_cannot_be_read_is_one_line_exit_2(tmp_path, probe_model_dir, command, variable, value, needle):
     """JSON-valued engine settings are read deep inside a command: a variable that is not JSON, or JSON of the

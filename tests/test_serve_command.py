@@ -58,9 +58,9 @@ def test_a_taken_port_is_one_line_exit_2_before_the_model_is_looked_at(name, tmp
 
 def test_an_unknown_weight_format_is_one_line_exit_2(tmp_path):
     result = CliRunner().invoke(cli_app, ["serve", "--model", str(tmp_path), "--port", str(free_port()),
-                                          "--weights", "int4"])
+                                          "--weights", "int2"])
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == "error: --weights must be fp32 or int8, got 'int4'"
+    assert result.stderr.strip() == "error: --weights must be one of fp32, int8, int4, got 'int2'"
 
 
 def test_serve_passes_the_weight_format_to_the_engine_and_leaves_the_variable_otherwise(monkeypatch, tmp_path):
@@ -77,7 +77,8 @@ def test_serve_passes_the_weight_format_to_the_engine_and_leaves_the_variable_ot
         raise Stop
 
     monkeypatch.setattr(run.PruningEngine, "load", staticmethod(fake_load))
-    for args, env, expected in (([], None, "fp32"), (["--weights", "int8"], None, "int8"), ([], "int8", "int8")):
+    for args, env, expected in (([], None, "fp32"), (["--weights", "int8"], None, "int8"),
+                                (["--weights", "int4"], None, "int4"), ([], "int8", "int8")):
         if env is None:
             monkeypatch.delenv("PRUNEWATCH_ENGINE_WEIGHTS", raising=False)
         else:

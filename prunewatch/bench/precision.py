@@ -33,13 +33,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.bench.llama_cpp import PEER_TYPES, LlamaCpp, PeerUnavailableError, bench_command, peer_gguf, run_tool
 from prunewatch.bench.llama_cpp import decode_rate as peer_decode_rate
 from prunewatch.bench.mechanisms import QUALITY_TARGET
 from prunewatch.bench.speed import paired_ratio
+from prunewatch.bench.step_products import StepProducts, capture_checked, median_ms, time_replay
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 from prunewatch.records.intervals import bootstrap_rate, bootstrap_share
 
@@ -53,6 +54,7 @@ REAL_MODEL_DIR = models_root() / DEFAULT_MODEL
 PRECISIONS = ("fp32", "int8", "int4")
 PLANS = ("dense", "default")
 MODES = ("eager", "compiled")
+REPLAYS = 5  # replays of a step's products after each round's run; their median
 METHOD = {
     "tokens_per_s": "measured: decode tokens/s (wall clock of the decode steps), median over rounds in rotating order",
     "speedup_vs_fp32_dense": "measured: ratio of median tokens/s to fp32 dense's; _paired: median over rounds of the "
@@ -66,6 +68,11 @@ METHOD = {
     "changed_answers": "measured: share of prompts whose served answer differs from fp32 dense's",
     "agreement_with_eager": "measured: share of a compiled run's speed-prompt tokens equal to the eager run's; "
                             "quality is measured on the eager runs",
+    "products_ms": "measured: an eager step's weight products (every projection and the output head, on the inputs "
+                   "one real step gave them, under its plan) replayed alone right after each round's run, median of "
+                   f"{REPLAYS} replays, median over rounds (prunewatch/bench/step_products.py)",
+    "rest_ms": "measured: 1000 / tokens_per_s minus products_ms within each round, median over rounds: norms, attention, "
+               "rotary embeddings, cache updates, sampling and Python around every operator",
 }
 PEER_METHOD = {
     "tokens_per_s": "measured by llama-bench (its own timer of the decode of the same number of tokens after a "
@@ -104,6 +111,8 @@ class PrecisionRow:
     checked: int
     changed_answers: float
     agreement_with_eager: float | None = None  # compiled runs: share of tokens equal to the eager run's
+    products_ms: float | None = None  # eager runs: the step's weight products replayed alone, median over rounds
+    rest_ms: float | None = None  # eager runs: step time minus its products, median over rounds
 
 
 def _engine(model_dir: Path, weights: str, calibration_dir: Path | None) -> PruningEngine:
@@ -140,6 +149,11 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
         engine.measure_decode(ids, plan, min(tokens, 8), compiled=graph)
         if graph and engine.compiled_decode(True) is None:
             raise RuntimeError(f"the compiled decode step failed to compile: {engine.compiled_decode_failure}")
+    # Where an eager step's time goes (prunewatch.bench.step_products): its weight products replayed alone right
+    # after each round's run, so they meet that run's load; the rest of the step is its time minus them.
+    products = {name: _capture(runs[name][0], runs[name][1], runs[name][2], " ".join(name))
+                for name in names if name[2] == "eager"}
+    products_ms: dict[tuple[str, str, str], list[float]] = {name: [] for name in products}
     peer_names = [(p, PEER, "eager") for p in peer.ggufs] if peer is not None else []
     order = names + peer_names
     rates: dict[tuple[str, str, str], list[float]] = {name: [] for name in order}
@@ -153,6 +167,8 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
             engine, ids, plan, graph = runs[name]
             decode = engine.measure_decode(ids, plan, tokens, compiled=graph)
             rates[name].append((tokens - 1) / decode.decode_s)
+            if name in products:
+                products_ms[name].append(median_ms(time_replay(products[name], _executing(plan), REPLAYS)))
             measured[name] = {"bytes_per_token": decode.ledger.decode_bytes_read // (tokens - 1),
                               "decode_pruning_ratio": decode.ledger.decode_pruning_ratio, "tokens": decode.tokens}
         logger.info("round %d: %s", r + 1, {" ".join(k): round(v[-1], 2) for k, v in rates.items()})
@@ -162,7 +178,23 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
         if mode == "compiled":
             eager = measured[(precision, plan, "eager")]["tokens"]
             values["agreement_with_eager"] = round(sum(a == b for a, b in zip(values["tokens"], eager)) / len(eager), 4)
-    return {" ".join(name): {"rates": rates[name], **measured[name]} for name in names}
+    speed = {" ".join(name): {"rates": rates[name], **measured[name]} for name in names}
+    for name, replayed in products_ms.items():
+        speed[" ".join(name)]["products_ms"] = replayed
+    return speed
+
+
+def _capture(engine: PruningEngine, ids: list[int], plan, label: str) -> StepProducts:
+    """The weight products of one eager decode step of `engine` under `plan`, checked to replay exactly."""
+    return capture_checked(engine.loaded.model, lambda: engine.measure_decode(ids, plan, 3, compiled=False),
+                           _executing(plan), label)
+
+
+def _executing(plan):
+    """A context factory running one replay under `plan`, as the engine's step ran."""
+    from prunewatch.engine.execution import ExecutionLedger, executing
+
+    return lambda: executing(plan, ExecutionLedger())
 
 
 PEER = "llama.cpp"
@@ -280,8 +312,17 @@ def rows_of(speed: dict[str, dict], quality: dict[str, dict]) -> list[PrecisionR
             speedup_vs_fp32_dense_paired=round(paired_ratio(s["rates"], speed[fp32_dense]["rates"]), 4),
             speedup_vs_same_precision_dense=round(medians[name] / medians[own_dense], 4),
             speedup_vs_same_precision_dense_paired=round(paired_ratio(s["rates"], speed[own_dense]["rates"]), 4),
-            agreement_with_eager=s.get("agreement_with_eager"), **quality[f"{precision} {plan}"]))
+            agreement_with_eager=s.get("agreement_with_eager"), **quality[f"{precision} {plan}"],
+            **_step_split(s)))
     return rows
+
+
+def _step_split(speed: dict) -> dict[str, Any]:
+    """products_ms and rest_ms of an eager run (empty for a compiled one): medians over rounds."""
+    if "products_ms" not in speed:
+        return {}
+    rest = [1e3 / rate - replayed for rate, replayed in zip(speed["rates"], speed["products_ms"])]
+    return {"products_ms": round(statistics.median(speed["products_ms"]), 3), "rest_ms": round(statistics.median(rest), 3)}
 
 
 def run(model_dir: Path, *, tokens: int, rounds: int, max_new_tokens: int, probes: int | None,
@@ -321,7 +362,7 @@ def run(model_dir: Path, *, tokens: int, rounds: int, max_new_tokens: int, probe
 
 def format_table(result: dict) -> str:
     lines = [f"{'configuration':<23} {'tok/s':>7} {'vs fp32 dense':>14} {'vs own dense':>13} {'MB/token':>9} "
-             f"{'decode ratio':>12}  agreement vs fp32 dense [95%]"]
+             f"{'decode ratio':>12} {'products+rest ms':>16}  agreement vs fp32 dense [95%]"]
     for row in result["rows"]:
         agreement = ("n/a" if row["agreement"] is None
                      else f"{row['agreement']:.3f} [{row['agreement_low']:.3f}, {row['agreement_high']:.3f}]")
@@ -330,12 +371,21 @@ def format_table(result: dict) -> str:
         lines.append(f"{' '.join((row['precision'], row['plan'], row['mode'])):<23} {row['tokens_per_s']:>7.2f} "
                      f"{row['speedup_vs_fp32_dense']:>6.2f}x ({row['speedup_vs_fp32_dense_paired']:.2f}x) "
                      f"{row['speedup_vs_same_precision_dense']:>6.2f}x ({row['speedup_vs_same_precision_dense_paired']:.2f}x)"
-                     f" {row['bytes_per_token'] / 1e6:>8.1f} {row['decode_pruning_ratio']:>12.3f}  {agreement}")
+                     f" {row['bytes_per_token'] / 1e6:>8.1f} {row['decode_pruning_ratio']:>12.3f} {_split(row):>16}"
+                     f"  {agreement}")
     for peer in result.get("peer", {}).get("rows", []):
-        lines.append(f"{PEER + ' ' + peer['llama_cpp_type']:<23} {peer['tokens_per_s']:>7.2f}  engine {peer['precision']} "
-                     + ", ".join(f"{k.removeprefix('engine_').removesuffix('_vs_llama_cpp').replace('_', ' ')} "
-                                 f"{v:.2f}x" for k, v in peer.items() if k.endswith("_vs_llama_cpp")))
+        ratios = ", ".join(f"{k.removeprefix('engine_').removesuffix('_vs_llama_cpp').replace('_', ' ')} {v:.2f}x"
+                           for k, v in peer.items() if k.endswith("_vs_llama_cpp"))
+        lines.append(f"{PEER + ' ' + peer['llama_cpp_type']:<23} {peer['tokens_per_s']:>7.2f}  step "
+                     f"{1e3 / peer['tokens_per_s']:.1f} ms; engine {peer['precision']} against it: {ratios}")
     return "\n".join(lines)
+
+
+def _split(row: dict) -> str:
+    """An eager row's step as products + rest in ms; '-' for a compiled one."""
+    if row.get("products_ms") is None:
+        return "-"
+    return f"{row['products_ms']:.1f}+{row['rest_ms']:.1f}"
 
 
 def write_plot(result: dict, path: Path) -> None:

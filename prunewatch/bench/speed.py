@@ -53,7 +53,7 @@ import torch
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info, synchronize
 from prunewatch.bench.served import ServedModel
 from prunewatch.bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
-from prunewatch.bench.step_products import capture_step, median_ms, replay, time_replay
+from prunewatch.bench.step_products import capture_checked, median_ms, time_replay
 from prunewatch.engine.model_store import DEFAULT_MODEL, PROBE_MODEL_DIR, models_root
 
 if TYPE_CHECKING:
@@ -425,20 +425,16 @@ class StepReplays:
 
         engine, dense = subject.engine, ExecutionPlan()
         model = engine.loaded.model
-        captured = {
-            "plain": capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3)),
-            "dense": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, dense, 3, compiled=False)),
-            "pruned": capture_step(model, lambda: engine.measure_decode(subject.prompt_ids, plan, 3, compiled=False)),
-        }
         contexts: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
             "plain": contextlib.nullcontext, "dense": lambda: executing(dense, ExecutionLedger()),
             "pruned": lambda: executing(plan, ExecutionLedger())}
-        for name, products in captured.items():
-            for (module, _), step_output, replayed in zip(products.calls, products.outputs,
-                                                          replay(products, contexts[name])):
-                if not torch.allclose(replayed, step_output, rtol=1e-4, atol=1e-5):
-                    raise RuntimeError(f"{subject.name} {name}: replaying {type(module).__name__} did not "
-                                       "reproduce the step's output")
+        decodes = {
+            "plain": (subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3)),
+            "dense": (model, lambda: engine.measure_decode(subject.prompt_ids, dense, 3, compiled=False)),
+            "pruned": (model, lambda: engine.measure_decode(subject.prompt_ids, plan, 3, compiled=False)),
+        }
+        captured = {name: capture_checked(m, decode, contexts[name], f"{subject.name} {name}")
+                    for name, (m, decode) in decodes.items()}
         return cls(captured, contexts, engine.loaded.device)
 
     def ms(self, name: str) -> float:

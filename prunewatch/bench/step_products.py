@@ -74,6 +74,17 @@ def capture_step(model: nn.Module, decode: Callable[[], object]) -> StepProducts
     return StepProducts(calls=last, outputs=outputs[-per_step:])
 
 
+def capture_checked(model: nn.Module, decode: Callable[[], object],
+                    context: Callable[[], contextlib.AbstractContextManager], label: str) -> StepProducts:
+    """capture_step, then one replay under `context` that must reproduce every output the step computed, so what
+    is timed later is the step's work. Raises RuntimeError naming `label` and the module that did not."""
+    products = capture_step(model, decode)
+    for (module, _), step_output, replayed in zip(products.calls, products.outputs, replay(products, context)):
+        if not torch.allclose(replayed, step_output, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"{label}: replaying {type(module).__name__} did not reproduce the step's output")
+    return products
+
+
 def replay(products: StepProducts, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
            ) -> list[torch.Tensor]:
     """Run the captured calls once, in order, under `context` (the engine's execution of the step's plan)."""

@@ -40,7 +40,7 @@ def serve_model(model: str | Path | None, *, host: str, port: int, device: str =
     if device not in _DEVICES:
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}")
     if weights is not None and weights not in _WEIGHTS:
-        raise fail(f"--weights must be {' or '.join(_WEIGHTS)}, got {weights!r}")
+        raise fail(f"--weights must be one of {', '.join(_WEIGHTS)}, got {weights!r}")
     try:
         listener = bind_listener(host, port)
         model_dir = model if isinstance(model, Path) else model_folder(model)

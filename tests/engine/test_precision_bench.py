@@ -37,6 +37,7 @@ def test_precision_bench_reports_every_configuration_with_its_interval(probe_mod
     for row in result["rows"]:
         assert len(row["rounds"]) == 2 and row["prompts"] == 3
         assert row["agreement_low"] <= row["agreement"] <= row["agreement_high"]
+        assert row["products_ms"] > 0 and row["rest_ms"] is not None  # where an eager step's time goes
     assert plot.stat().st_size > 0
     assert "int8 default" in precision.format_table(result)
 
