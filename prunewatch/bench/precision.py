@@ -14,7 +14,10 @@ One run, one machine, the same threads, on the real model (SmolLM2-135M-Instruct
    dense model (reference-scored agreement: the share of answer tokens equal to fp32 dense's argmax given
    the served prefix), pooled over prompts with a 95% interval bootstrapped over prompts; the prompts'
    checks give a pass rate likewise;
-4. with `--peer llama.cpp`: llama.cpp's llama-bench on the same model (F32, Q8_0 and Q4_1 GGUFs made from the
+4. served: each precision through `prunewatch serve --weights <precision>` on 127.0.0.1 (same threads, eager),
+   dense and default, streamed and timed by the client, in the same rounds, with the ratio to the same
+   configuration in-process (--no-served skips it);
+5. with `--peer llama.cpp`: llama.cpp's llama-bench on the same model (F32, Q8_0 and Q4_1 GGUFs made from the
    one `models pull` keeps; prunewatch/bench/llama_cpp.py), same threads and decoded tokens, taking its turn in
    the same rotating rounds; each engine configuration's ratio to it within rounds.
 
@@ -26,6 +29,7 @@ probe model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -39,6 +43,7 @@ from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.bench.llama_cpp import PEER_TYPES, LlamaCpp, PeerUnavailableError, bench_command, peer_gguf, run_tool
 from prunewatch.bench.llama_cpp import decode_rate as peer_decode_rate
 from prunewatch.bench.mechanisms import QUALITY_TARGET
+from prunewatch.bench.served import ServedModel
 from prunewatch.bench.speed import paired_ratio
 from prunewatch.bench.step_products import StepProducts, capture_checked, median_ms, time_replay
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
@@ -73,6 +78,14 @@ METHOD = {
                    f"{REPLAYS} replays, median over rounds (prunewatch/bench/step_products.py)",
     "rest_ms": "measured: 1000 / tokens_per_s minus products_ms within each round, median over rounds: norms, attention, "
                "rotary embeddings, cache updates, sampling and Python around every operator",
+}
+SERVED_METHOD = {
+    "tokens_per_s": "measured by the client: `prunewatch serve --weights <precision>` on 127.0.0.1 (same threads, "
+                    "eager decode), one streamed chat completion of the speed prompt per round, (text chunks - 1) over "
+                    "the first to the last chunk's arrival (prunewatch/bench/served.py), median over rounds; dense runs "
+                    "send X-Pruning-Sensitivity: 0",
+    "vs_in_process_paired": "measured: median over rounds of the served rate over the same precision and plan "
+                            "decoded eagerly in this process's main thread in the same round",
 }
 PEER_METHOD = {
     "tokens_per_s": "measured by llama-bench (its own timer of the decode of the same number of tokens after a "
@@ -136,9 +149,11 @@ def _plan(engine: PruningEngine, name: str, prompt_ids: list[int], prompt: str):
 
 
 def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, compiled: bool,
-                  peer: PeerRuns | None = None) -> dict[str, dict]:
+                  peer: PeerRuns | None = None, servers: dict[str, ServedModel] | None = None) -> dict[str, dict]:
     """Decode tokens/s and counted bytes per step of every (precision, plan, mode), rounds in rotating order;
-    with a peer, its run at each precision takes its turn in the same rotation (plan "llama.cpp")."""
+    with a peer, its run at each precision takes its turn in the same rotation (plan "llama.cpp"); with servers
+    (one `prunewatch serve` per precision), each plan served, streamed and client-timed, takes its turn too
+    (mode "served"; returned under "served" rather than as rows of their own)."""
     names = [(p, plan, mode) for mode in (MODES if compiled else MODES[:1]) for p in engines for plan in PLANS]
     runs = {}
     for precision, plan_name, mode in names:
@@ -155,7 +170,8 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
                 for name in names if name[2] == "eager"}
     products_ms: dict[tuple[str, str, str], list[float]] = {name: [] for name in products}
     peer_names = [(p, PEER, "eager") for p in peer.ggufs] if peer is not None else []
-    order = names + peer_names
+    served_names = [(p, plan, "served") for p in (servers or {}) for plan in PLANS]
+    order = names + peer_names + served_names
     rates: dict[tuple[str, str, str], list[float]] = {name: [] for name in order}
     measured: dict[tuple[str, str, str], dict] = {}
     for r in range(rounds):
@@ -163,6 +179,10 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
             if name[1] == PEER:
                 assert peer is not None
                 rates[name].append(peer.decode_rate(name[0], tokens - 1))
+                continue
+            if name[2] == "served":
+                assert servers is not None
+                rates[name].append(servers[name[0]].decode(PROMPT, tokens, dense=name[1] == "dense").tokens_per_s)
                 continue
             engine, ids, plan, graph = runs[name]
             decode = engine.measure_decode(ids, plan, tokens, compiled=graph)
@@ -181,7 +201,23 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
     speed = {" ".join(name): {"rates": rates[name], **measured[name]} for name in names}
     for name, replayed in products_ms.items():
         speed[" ".join(name)]["products_ms"] = replayed
+    if served_names:
+        speed["served"] = {" ".join(name): rates[name] for name in served_names}
     return speed
+
+
+def served_rows(speed: dict[str, dict]) -> list[dict]:
+    """Per served (precision, plan): client-timed tokens/s and its ratio to the same configuration in-process
+    (eager, the main thread), median over rounds of the within-round ratio."""
+    rows = []
+    for name, values in speed.get("served", {}).items():
+        precision, plan, _ = name.split(" ")
+        in_process = speed[f"{precision} {plan} eager"]["rates"]
+        rows.append({"precision": precision, "plan": plan, "tokens_per_s": round(statistics.median(values), 3),
+                     "rounds": [round(v, 3) for v in values],
+                     "vs_in_process": round(statistics.median(values) / statistics.median(in_process), 4),
+                     "vs_in_process_paired": round(paired_ratio(values, in_process), 4)})
+    return rows
 
 
 def _capture(engine: PruningEngine, ids: list[int], plan, label: str) -> StepProducts:
@@ -298,6 +334,7 @@ def measure_quality(engines: dict[str, PruningEngine], max_new_tokens: int, prob
 def rows_of(speed: dict[str, dict], quality: dict[str, dict]) -> list[PrecisionRow]:
     """One row per configuration, speedups against fp32 dense and against the same precision's dense, both in
     the same mode (eager against eager, compiled against compiled); quality is the eager run's."""
+    speed = {name: s for name, s in speed.items() if name != "served"}
     medians = {name: statistics.median(s["rates"]) for name, s in speed.items()}
     rows = []
     for name, s in speed.items():
@@ -327,7 +364,8 @@ def _step_split(speed: dict) -> dict[str, Any]:
 
 def run(model_dir: Path, *, tokens: int, rounds: int, max_new_tokens: int, probes: int | None,
         calibration_dir: Path | None, threads: int | None, out: Path, plot: Path | None, compiled: bool = True,
-        peer: str | None = None, llama_cpp_dir: Path | None = None, peer_repack: bool = True) -> dict:
+        peer: str | None = None, llama_cpp_dir: Path | None = None, peer_repack: bool = True,
+        served: bool = True) -> dict:
     import torch
 
     if threads is not None:
@@ -336,7 +374,11 @@ def run(model_dir: Path, *, tokens: int, rounds: int, max_new_tokens: int, probe
     engines = {precision: _engine(model_dir, precision, calibration_dir) for precision in PRECISIONS}
     peer_runs = (prepare_peer(engines, model_dir, llama_cpp_dir, torch.get_num_threads(), peer_repack)
                  if peer == PEER else None)
-    speed = measure_speed(engines, tokens, rounds, compiled, peer_runs)
+    with contextlib.ExitStack() as stack:
+        servers = {p: stack.enter_context(ServedModel(model_dir, threads=torch.get_num_threads(), weights=p,
+                                                      calibration_dir=calibration_dir))
+                   for p in (engines if served else ())}
+        speed = measure_speed(engines, tokens, rounds, compiled, peer_runs, servers)
     quality = measure_quality(engines, max_new_tokens, probes)
     rows = rows_of(speed, quality)
     result = {
@@ -349,6 +391,8 @@ def run(model_dir: Path, *, tokens: int, rounds: int, max_new_tokens: int, probe
         "method": METHOD,
         "rows": [asdict(r) for r in rows],
     }
+    if served:
+        result["served"] = {"rows": served_rows(speed), "method": SERVED_METHOD}
     if peer_runs is not None:
         result["peer"] = {"name": PEER, "version": peer_runs.llama.version(), "repack": peer_runs.repack,
                           "context_tokens": peer_runs.depth, "rows": peer_runs.rows(speed, tokens - 1),
@@ -373,6 +417,10 @@ def format_table(result: dict) -> str:
                      f"{row['speedup_vs_same_precision_dense']:>6.2f}x ({row['speedup_vs_same_precision_dense_paired']:.2f}x)"
                      f" {row['bytes_per_token'] / 1e6:>8.1f} {row['decode_pruning_ratio']:>12.3f} {_split(row):>16}"
                      f"  {agreement}")
+    for served in result.get("served", {}).get("rows", []):
+        lines.append(f"{served['precision'] + ' ' + served['plan'] + ' served':<23} {served['tokens_per_s']:>7.2f}  "
+                     f"{served['vs_in_process']:.2f}x ({served['vs_in_process_paired']:.2f}x) of the same in-process, "
+                     "eager")
     for peer in result.get("peer", {}).get("rows", []):
         ratios = ", ".join(f"{k.removeprefix('engine_').removesuffix('_vs_llama_cpp').replace('_', ' ')} {v:.2f}x"
                            for k, v in peer.items() if k.endswith("_vs_llama_cpp"))
@@ -430,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=RESULTS_DIR / "precision-cpu.png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-compiled", action="store_true", help="skip the runs with compiled decode steps")
+    parser.add_argument("--no-served", action="store_true",
+                        help="skip the runs through `prunewatch serve` (one server per precision)")
     parser.add_argument("--peer", choices=[PEER], default=None,
                         help="time llama.cpp's llama-bench at each precision in the same rounds (F32, Q8_0, Q4_1)")
     parser.add_argument("--llama-cpp-dir", type=Path, default=None,
@@ -452,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args.model_dir, tokens=args.tokens, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
                      probes=args.probes, calibration_dir=args.calibration_dir, threads=args.threads, out=args.out,
                      plot=None if args.no_plot else args.plot, compiled=not args.no_compiled, peer=args.peer,
-                     llama_cpp_dir=args.llama_cpp_dir, peer_repack=not args.peer_no_repack)
+                     llama_cpp_dir=args.llama_cpp_dir, peer_repack=not args.peer_no_repack,
+                     served=not args.no_served)
     except PeerUnavailableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

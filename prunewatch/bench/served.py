@@ -56,8 +56,9 @@ class ServedModel:
     HOST = "127.0.0.1"
 
     def __init__(self, model_dir: Path, *, threads: int, calibration_dir: Path | None = None, device: str = "cpu",
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0, weights: str | None = None) -> None:
         self.model_dir, self.threads, self.device = Path(model_dir), threads, device
+        self.weights = weights  # EngineSettings.weights of the server (None: the environment's, else fp32)
         self.calibration_dir = calibration_dir
         self.startup_timeout_s = startup_timeout_s
         self.port = 0
@@ -72,7 +73,8 @@ class ServedModel:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "prunewatch", "serve", "--model", str(self.model_dir), "--host", self.HOST,
-                "--port", str(self.port), "--device", self.device, "--threads", str(self.threads)]
+                "--port", str(self.port), "--device", self.device, "--threads", str(self.threads),
+                *(["--weights", self.weights] if self.weights else [])]
 
     def __enter__(self) -> ServedModel:
         env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
@@ -90,8 +92,8 @@ class ServedModel:
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        logger.info("prunewatch serve (%s, %d threads) listening on %s after %.0f s", self.model_name, self.threads,
-                    self.url, time.perf_counter() - started)
+        logger.info("prunewatch serve (%s, %s weights, %d threads) listening on %s after %.0f s", self.model_name,
+                    self.weights or "default", self.threads, self.url, time.perf_counter() - started)
         return self
 
     def _wait_until_listening(self) -> None:

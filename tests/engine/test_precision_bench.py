@@ -17,7 +17,7 @@ def test_precision_bench_reports_every_configuration_with_its_interval(probe_mod
     out, plot = tmp_path / "precision.json", tmp_path / "precision.png"
     code = precision.main(["--model-dir", str(probe_model_dir), "--tokens", "4", "--rounds", "2", "--probes", "3",
                            "--max-new-tokens", "4", "--calibration-dir", str(calibration_dir),
-                           "--out", str(out), "--plot", str(plot), "--no-compiled"])
+                           "--out", str(out), "--plot", str(plot), "--no-compiled"])  # served: on
     assert code == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("prunewatch bench precision")
@@ -32,6 +32,10 @@ def test_precision_bench_reports_every_configuration_with_its_interval(probe_mod
     assert rows[("int4", "dense")]["bytes_per_token"] < 0.9 * rows[("int8", "dense")]["bytes_per_token"]
     assert rows[("fp32", "dense")]["decode_pruning_ratio"] == 0.0 == rows[("int8", "dense")]["decode_pruning_ratio"]
     assert "peer" not in result
+    # one `prunewatch serve --weights <precision>` per precision, each plan streamed and timed by the client
+    served = {(r["precision"], r["plan"]): r for r in result["served"]["rows"]}
+    assert set(served) == set(rows)
+    assert all(len(r["rounds"]) == 2 and r["tokens_per_s"] > 0 and r["vs_in_process_paired"] > 0 for r in served.values())
     # fp32 dense is its own reference: every answer token is its argmax
     assert rows[("fp32", "dense")]["agreement"] == 1.0 and rows[("fp32", "dense")]["changed_answers"] == 0.0
     for row in result["rows"]:
@@ -91,7 +95,8 @@ def test_precision_bench_puts_llama_cpp_beside_each_precision(probe_model_dir, c
     out = tmp_path / "precision.json"
     code = precision.main(["--model-dir", str(model), "--tokens", "4", "--rounds", "2", "--probes", "2",
                            "--max-new-tokens", "3", "--calibration-dir", str(calibration_dir), "--out", str(out),
-                           "--no-plot", "--no-compiled", "--peer", "llama.cpp", "--llama-cpp-dir", str(tools)])
+                           "--no-plot", "--no-compiled", "--no-served", "--peer", "llama.cpp",
+                           "--llama-cpp-dir", str(tools)])
     assert code == 0
     peer = json.loads(out.read_text())["peer"]
     assert peer["name"] == "llama.cpp" and peer["version"].startswith("version: 0 (test)")

@@ -474,15 +474,15 @@ void check_inputs(const at::Tensor& x, const at::Tensor& wt, const c10::optional
   }
 }
 
-// The output of an int8 call from its per-thread accumulators: y[b, o] = (sum over threads) * scale[o]
+// The output of a quantized call from its per-thread accumulators: y[b, o] = (sum over threads) * scale[o]
 // (+ bias[o]), one pass instead of a sum, a multiply and an add as three operators (at one token per
-// step each operator's fixed cost is a few microseconds, ~200 calls per step).
-at::Tensor finish_int8(const at::Tensor& acc, int64_t num_threads, int64_t rows, int64_t out,
-                       const at::Tensor& weight_scale, const c10::optional<at::Tensor>& bias) {
+// step each operator's fixed cost is a few microseconds, ~200 calls per step). int4 calls have applied
+// their scales per group already: no scale (nullptr).
+at::Tensor finish_quantized(const at::Tensor& acc, int64_t num_threads, int64_t rows, int64_t out,
+                            const float* s, const c10::optional<at::Tensor>& bias) {
   at::Tensor y = num_threads == 1 ? acc : at::empty({rows, out}, acc.options());
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* a = acc.data_ptr<float>();
-  const float* s = weight_scale.data_ptr<float>();
   const float* bs = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t stride = rows * out;
@@ -490,7 +490,7 @@ at::Tensor finish_int8(const at::Tensor& acc, int64_t num_threads, int64_t rows,
     for (int64_t o = 0; o < out; ++o) {
       float v = a[b * out + o];
       for (int64_t t = 1; t < num_threads; ++t) v += a[t * stride + b * out + o];
-      v *= s[o];
+      if (s != nullptr) v *= s[o];
       yp[b * out + o] = bs != nullptr ? v + bs[o] : v;
     }
   }
@@ -522,13 +522,13 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, cons
   if (int4) {
     accumulate_int4(sel, wt.data_ptr<uint8_t>(), weight_scale->data_ptr<at::Half>(), rows, out, acc.data_ptr<float>(),
                     num_threads);
-    at::Tensor y = num_threads == 1 ? acc : acc.sum(0);
-    if (bias.has_value()) y.add_(bias->to(at::kFloat));
-    return std::make_tuple(y.to(x.scalar_type()), static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
+    return std::make_tuple(finish_quantized(acc, num_threads, rows, out, nullptr, bias).to(x.scalar_type()),
+                           static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
   }
   if (weight_scale.has_value()) {
     accumulate<int8_t>(sel, wt.data_ptr<int8_t>(), rows, out, acc.data_ptr<float>(), num_threads);
-    return std::make_tuple(finish_int8(acc, num_threads, rows, out, *weight_scale, bias).to(x.scalar_type()),
+    return std::make_tuple(finish_quantized(acc, num_threads, rows, out, weight_scale->data_ptr<float>(), bias)
+                               .to(x.scalar_type()),
                            static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wt.scalar_type(), "sparse_linear", [&] {
