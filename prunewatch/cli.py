@@ -270,6 +270,15 @@ def bench_precision_command(ctx: typer.Context) -> None:
     _run_bench(bench_main, list(ctx.args))
 
 
+@bench_app.command("kernels", context_settings=_BENCH_ARGS, add_help_option=False)
+def bench_kernels_command(ctx: typer.Context) -> None:
+    """torch's CPU int8/int4 weight-only kernels against fp32 and the engine's int8/int4 kernel, one token row,
+    on the model's layer shapes, interleaved: microseconds per product and the error against fp32."""
+    from prunewatch.bench.weight_kernels import main as bench_main
+
+    _run_bench(bench_main, list(ctx.args))
+
+
 @bench_app.command("speed", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_speed_command(ctx: typer.Context) -> None:
     """The machine's read bandwidth, then plain transformers, engine dense and engine at its defaults decoding

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prunewatch.bench import llama_cpp, precision
+from prunewatch.bench import llama_cpp, precision, weight_kernels
 
 
 def test_precision_bench_reports_every_configuration_with_its_interval(probe_model_dir, calibration_dir, tmp_path):
@@ -117,3 +117,16 @@ def test_precision_bench_peer_without_a_build_is_one_error_line(probe_model_dir,
         precision.main(["--model-dir", str(probe_model_dir), "--peer", "llama.cpp", "--llama-cpp-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "bench/build-llama-cpp.sh" in capsys.readouterr().err
+
+
+def test_weight_kernel_bench_times_every_kernel_on_every_layer_shape(probe_model_dir, tmp_path):
+    out = tmp_path / "kernels.json"
+    assert weight_kernels.main(["--model-dir", str(probe_model_dir), "--reps", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("prunewatch bench kernels")
+    assert {(r["in"], r["out"]) for r in result["rows"]} == {(192, 192), (192, 64), (192, 512), (512, 192)}
+    for row in result["rows"]:
+        assert set(row["kernels"]) == set(weight_kernels.KERNELS)
+        assert row["kernels"]["fp32 F.linear"]["vs_fp32"] == 1.0
+        # every product computes what its weights stand for (timings are reported, never asserted)
+        assert all(k["us"] > 0 and k["max_abs_error"] < 1e-4 for k in row["kernels"].values())

@@ -1,0 +1,132 @@
+"""Quantized weight products at one token: torch's own CPU kernels against the engine's, on a model's layer shapes
+(`prunewatch bench kernels`, or `python -m prunewatch.bench.weight_kernels`).
+
+Why: where PyTorch already has a fast kernel for a product, the engine should use it rather than its own. torch
+ships CPU weight-only kernels for int8 (`aten._weight_int8pack_mm`, one scale per output channel) and int4
+(`aten._weight_int4pack_mm_for_cpu`, groups with a scale and zero point). This times them against fp32 `F.linear`
+and the engine's sparse kernel reading every row (int8 per output channel, int4 in Q4_1 groups of 32) on every
+distinct (in, out) shape of the model's projections, one token row, the configurations interleaved in rotating
+order; each product is first checked against the fp32 product of the weights it stands for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
+from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
+
+KERNELS = ("fp32 F.linear", "torch int8pack", "torch int4pack", "engine int8", "engine int4")
+METHOD = {
+    "us": "measured: microseconds per product of one token row, median over repetitions in rotating order",
+    "vs_fp32": "measured: the fp32 product's median time over this kernel's (above 1: faster than fp32)",
+    "max_abs_error": "measured: largest difference from the fp32 product of the dequantized weights, one input",
+}
+
+
+def layer_shapes(model_dir: Path) -> list[tuple[int, int]]:
+    """Distinct (in, out) shapes of a Llama-style model's seven projections per block, from its config."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
+    return sorted({(hidden, hidden), (hidden, kv), (hidden, inner), (inner, hidden)})
+
+
+def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+    """The five products of one random layer of this shape, and each one's largest error against fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    from prunewatch.engine.sparse.kernel import sparse_linear
+    from prunewatch.engine.sparse.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n_out, n_in, generator=g) / n_in ** 0.5
+    x = torch.randn(1, n_in, generator=g)
+    ones = torch.ones(n_in)
+    q8, s8 = quantize_int8(weight.t().contiguous())
+    q4, s4 = quantize_int4(weight.t().contiguous())
+    q8_rows = q8.t().contiguous()  # torch's int8 kernel takes (out, in)
+    # torch's int4 layout: (out, in) values 0..15 with w = (q - 8) * scale + zero per group; the same Q4_1 blocks
+    deq4 = dequantize_int4(q4, s4)
+    step, minimum = s4[:, 0, :].float(), s4[:, 1, :].float()  # (groups, out)
+    q4_rows = torch.round((deq4 - minimum.repeat_interleave(32, 0)) / torch.where(step > 0, step, 1).repeat_interleave(
+        32, 0)).clamp(0, 15).to(torch.int32).t().contiguous()
+    torch_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4_rows, 1)
+    scales_zeros = torch.stack((step, minimum + 8 * step), dim=-1).contiguous()  # (groups, out, 2)
+    products: dict[str, Callable[[], object]] = {
+        "fp32 F.linear": lambda: F.linear(x, weight),
+        "torch int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, q8_rows, s8),
+        "torch int4pack": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_int4, 32, scales_zeros),
+        "engine int8": lambda: sparse_linear(x, q8, None, ones, -1.0, weight_scale=s8).output,
+        "engine int4": lambda: sparse_linear(x, q4, None, ones, -1.0, weight_scale=s4).output,
+    }
+    references = {"fp32 F.linear": x @ weight.t(), "torch int8pack": x @ dequantize_int8(q8, s8),
+                  "engine int8": x @ dequantize_int8(q8, s8), "torch int4pack": x @ deq4, "engine int4": x @ deq4}
+    errors = {name: float((products[name]() - references[name]).abs().max()) for name in KERNELS}
+    return products, errors
+
+
+def run(model_dir: Path, reps: int, threads: int | None, out: Path) -> dict:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    rows = []
+    for n_in, n_out in layer_shapes(model_dir):
+        products, errors = _products(n_in, n_out, seed=n_in * 31 + n_out)
+        times: dict[str, list[float]] = {name: [] for name in KERNELS}
+        for product in products.values():  # warm-up
+            for _ in range(10):
+                product()
+        for r in range(reps):
+            for name in KERNELS[r % len(KERNELS):] + KERNELS[:r % len(KERNELS)]:
+                started = time.perf_counter()
+                for _ in range(20):
+                    products[name]()
+                times[name].append((time.perf_counter() - started) / 20 * 1e6)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        rows.append({"in": n_in, "out": n_out, "kernels": {
+            name: {"us": round(medians[name], 2), "vs_fp32": round(medians["fp32 F.linear"] / medians[name], 3),
+                   "max_abs_error": errors[name]} for name in KERNELS}})
+    result = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": invocation("kernels"),
+              "machine": machine_info("cpu"), "model": model_dir.name, "reps": reps, "method": METHOD, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'in x out':<12}" + "".join(f"{name:>18}" for name in KERNELS) + "   (us per token; vs fp32)"]
+    for row in result["rows"]:
+        cells = "".join(f"{row['kernels'][n]['us']:>10.1f} ({row['kernels'][n]['vs_fp32']:.2f}x)" for n in KERNELS)
+        lines.append(f"{row['in']}x{row['out']:<8}" + cells)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prunewatch bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=models_root() / DEFAULT_MODEL)
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per kernel and shape (20 calls each)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "weight-kernels-cpu.json")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
+    if not (args.model_dir / "config.json").is_file():
+        parser.error(f"no model at {args.model_dir} (run `prunewatch models pull`)")
+    result = run(args.model_dir, args.reps, args.threads, args.out)
+    print(format_table(result))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
