@@ -106,6 +106,24 @@ def test_int4_kernel_refuses_missing_or_misshapen_scales():
         sparse_linear(torch.randn(1, 48), packed[:48].contiguous(), None, torch.ones(48), 0.0, weight_scale=scales)
 
 
+def test_a_layer_whose_sizes_are_not_whole_groups_keeps_int8_weights():
+    from torch import nn
+
+    from prunewatch.engine.execution import ExecutionLedger, executing
+    from prunewatch.engine.sparse.module import SparseLinear, SparsityOptions
+    from prunewatch.engine.sparse.thresholds import LayerThresholds
+
+    thresholds = LayerThresholds(levels=(0.0, 0.5), values=(0.0, 0.5))
+    options = SparsityOptions(weights="int4")
+    whole = SparseLinear(nn.Linear(64, 96, bias=False), 0, "mlp.up_proj", thresholds, torch.ones(64), options)
+    ragged = SparseLinear(nn.Linear(48, 64, bias=False), 0, "mlp.up_proj", thresholds, torch.ones(48), options)
+    assert (whole.weight_format, whole.weight_t.dtype) == ("int4", torch.uint8)
+    assert (ragged.weight_format, ragged.weight_t.dtype) == ("int8", torch.int8)
+    x = torch.randn(1, 48)
+    with torch.no_grad(), executing(ExecutionPlan(), ExecutionLedger()):  # a dense call still reads the int8 rows
+        torch.testing.assert_close(ragged(x), F.linear(x, ragged.linear.weight), rtol=1e-4, atol=1e-4)
+
+
 PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
 
 

@@ -11,11 +11,12 @@ which stays counted as dense work. Without a plan, or with a target of 0, the de
 untouched and is counted as dense.
 
 With int8 or int4 weights (SparsityOptions.weights, prunewatch/engine/sparse/quantize.py) the kernel reads
-the quantized rows (int4: and the scales and minimums of every group, counted in full per call); every call with few rows goes to it, the dense ones too (all
-channels read), so a decode step reads a quarter of the fp32 bytes whether or not it prunes. The
+the quantized rows and their scales (int4: the scales and minimums of every group, counted in full per
+call); every call with few rows goes to it, the dense ones too (all channels read), so a decode step
+reads a quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. The
 wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS
-product is faster than converting int8 weights row by row) and for head-gated slices: every path
-multiplies by the same values, so the model is the int8 model throughout, at 1.25x the fp32 memory.
+product is faster than converting quantized weights row by row) and for head-gated slices: every path
+multiplies by the same values, so the model is the quantized model throughout, at 1.16-1.25x the fp32 memory.
 """
 
 from __future__ import annotations
