@@ -28,6 +28,21 @@ def calibration_inputs() -> tuple[dict[str, list[str]], str]:
     return calibration.calibration_texts(), calibration.digest
 
 
+SPEED_PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
+"""The prompt the decode benchmarks time, used by the tests that decode the way they do."""
+
+
+def load_probe_engine(model_dir: Path, calibration_dir: Path, **overrides):
+    """A quiet CPU engine of `model_dir` with EngineSettings `overrides`, calibrated on the calibration set."""
+    from prunewatch.engine import EngineSettings, PruningEngine
+
+    settings = {"log_level": "NONE", **overrides}
+    engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device="cpu", calibration_dir=calibration_dir,
+                                               **settings))
+    engine.load_or_calibrate(*calibration_inputs())
+    return engine
+
+
 @pytest.fixture(scope="session")
 def probe_model_dir() -> Path:
     if not (PROBE_MODEL_DIR / "model.safetensors").is_file():

@@ -14,20 +14,14 @@ import torch.nn.functional as F
 from prunewatch.engine.compiled_decode import NO_THRESHOLD
 from prunewatch.engine.execution import ExecutionPlan
 from prunewatch.engine.sparse.kernel import counted_op
-from tests.conftest import calibration_inputs
+from tests.conftest import SPEED_PROMPT, load_probe_engine
 
-PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
+PROMPT = SPEED_PROMPT
 TOKENS = 8
 
 
 def _load(probe_model_dir, calibration_dir, **overrides):
-    from prunewatch.engine import EngineSettings, PruningEngine
-
-    settings = {"log_level": "NONE", "compile_decode": True, **overrides}
-    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
-                                               **settings))
-    engine.load_or_calibrate(*calibration_inputs())
-    return engine
+    return load_probe_engine(probe_model_dir, calibration_dir, **{"compile_decode": True, **overrides})
 
 
 @pytest.fixture(scope="module")

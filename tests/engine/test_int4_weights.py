@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from prunewatch.engine.execution import ExecutionPlan
 from prunewatch.engine.sparse import sparse_linear
 from prunewatch.engine.sparse.quantize import INT4_GROUP, dequantize_int4, int4_fits, quantize_int4
-from tests.conftest import calibration_inputs
+from tests.conftest import SPEED_PROMPT, load_probe_engine
 
 SHAPES = [(32, 32), (64, 96), (576, 192), (96, 1600)]  # out 96 and 1600: a run of 32 after the runs of 64
 
@@ -124,22 +124,13 @@ def test_a_layer_whose_sizes_are_not_whole_groups_keeps_int8_weights():
         torch.testing.assert_close(ragged(x), F.linear(x, ragged.linear.weight), rtol=1e-4, atol=1e-4)
 
 
-PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
-
-
-def _load(probe_model_dir, calibration_dir, **overrides):
-    from prunewatch.engine import EngineSettings, PruningEngine
-
-    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
-                                               log_level="NONE", **overrides))
-    engine.load_or_calibrate(*calibration_inputs())
-    return engine
+PROMPT = SPEED_PROMPT
 
 
 @pytest.fixture(scope="module")
 def engines(probe_model_dir, calibration_dir):
-    return (_load(probe_model_dir, calibration_dir),
-            _load(probe_model_dir, calibration_dir, weights="int4", compile_decode=True))
+    return (load_probe_engine(probe_model_dir, calibration_dir),
+            load_probe_engine(probe_model_dir, calibration_dir, weights="int4", compile_decode=True))
 
 
 def test_int4_engine_holds_int4_projections_and_an_int8_head(engines):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from prunewatch.engine.execution import ExecutionPlan
 from prunewatch.engine.sparse import sparse_linear
 from prunewatch.engine.sparse.quantize import INT8_MAX, dequantize_int8, quantize_int8
-from tests.conftest import calibration_inputs
+from tests.conftest import SPEED_PROMPT, load_probe_engine
 
 SHAPES = [(7, 5), (300, 200), (513, 130), (64, 1030), (40, 1601)]  # odd sizes hit group, vector and tile tails
 
@@ -84,22 +84,13 @@ def test_int8_kernel_refuses_missing_or_misshapen_scales():
         sparse_linear(x, weight.t().contiguous(), None, ones, 0.0, weight_scale=scale)
 
 
-PROMPT = "Explain how a CPU cache works, step by step, for a new programmer."
-
-
-def _load(probe_model_dir, calibration_dir, **overrides):
-    from prunewatch.engine import EngineSettings, PruningEngine
-
-    engine = PruningEngine.load(EngineSettings(model_dir=probe_model_dir, device="cpu", calibration_dir=calibration_dir,
-                                               log_level="NONE", **overrides))
-    engine.load_or_calibrate(*calibration_inputs())
-    return engine
+PROMPT = SPEED_PROMPT
 
 
 @pytest.fixture(scope="module")
 def engines(probe_model_dir, calibration_dir):
-    return (_load(probe_model_dir, calibration_dir),
-            _load(probe_model_dir, calibration_dir, weights="int8", activation_sparsity=0.0, output_head_sparsity=0.0))
+    return (load_probe_engine(probe_model_dir, calibration_dir),
+            load_probe_engine(probe_model_dir, calibration_dir, weights="int8", activation_sparsity=0.0, output_head_sparsity=0.0))
 
 
 def test_int8_engine_holds_int8_weights_even_without_pruning_mechanisms(engines):
@@ -132,7 +123,7 @@ def test_int8_dense_step_reads_the_int8_rows_and_scales_in_place_of_fp32(engines
 
 
 def test_int8_engine_generates_and_its_default_plan_prunes(probe_model_dir, calibration_dir):
-    engine = _load(probe_model_dir, calibration_dir, weights="int8")
+    engine = load_probe_engine(probe_model_dir, calibration_dir, weights="int8")
     result = engine.generate(PROMPT, max_new_tokens=6, quality="on")
     assert result.text
     assert result.stats.decode_pruning_ratio > 0.0
@@ -141,7 +132,7 @@ def test_int8_engine_generates_and_its_default_plan_prunes(probe_model_dir, cali
 
 @pytest.fixture(scope="module")
 def compiled_int8(probe_model_dir, calibration_dir):
-    return _load(probe_model_dir, calibration_dir, weights="int8", compile_decode=True)
+    return load_probe_engine(probe_model_dir, calibration_dir, weights="int8", compile_decode=True)
 
 
 def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(compiled_int8):
@@ -160,7 +151,7 @@ def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(compiled_int8)
 def test_two_engines_of_one_family_never_run_each_others_graphs(probe_model_dir, calibration_dir, compiled_int8):
     """Compiled graphs keep no guards on the model's modules, so each engine compiles a code object of its own:
     an fp32 and an int8 engine of the same model, stepping in turn, each decode as their eager selves."""
-    fp32 = _load(probe_model_dir, calibration_dir, compile_decode=True)
+    fp32 = load_probe_engine(probe_model_dir, calibration_dir, compile_decode=True)
     int8 = compiled_int8
     ids = fp32.render_prompt(PROMPT)
     for engine in (fp32, int8, fp32, int8):

@@ -82,10 +82,7 @@ def _fake_llama_cpp(folder: Path) -> Path:
 
 
 def test_precision_bench_puts_llama_cpp_beside_each_precision(probe_model_dir, calibration_dir, tmp_path, monkeypatch):
-    from prunewatch.engine.sparse.kernel import CACHE_ENV, cache_dir
-
-    monkeypatch.setenv(CACHE_ENV, str(cache_dir().parent.parent))  # the kernel stays where it is built
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the made GGUFs go here
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the made GGUFs go here (conftest pins the kernel's)
     model = tmp_path / "model"
     shutil.copytree(probe_model_dir, model)
     (model / "probe.Q4_1.gguf").write_bytes(b"GGUF" + b"\0" * 60)
