@@ -43,6 +43,23 @@ def load_probe_engine(model_dir: Path, calibration_dir: Path, **overrides):
     return engine
 
 
+def assert_compiled_steps_equal_eager(engine, tokens: int = 6):
+    """A compiled engine's dense and default plans decode the speed prompt to eager's tokens, with the bytes the
+    ledger counts within 0.1% of eager's; returns the default plan's eager measurement."""
+    from prunewatch.engine.execution import ExecutionPlan
+
+    ids = engine.render_prompt(SPEED_PROMPT)
+    plan = engine.execution_plan(ids, engine.settings.sensitivity, [], prompt_text=SPEED_PROMPT)
+    for chosen in (ExecutionPlan(), plan):
+        eager = engine.measure_decode(ids, chosen, tokens, compiled=False)
+        compiled = engine.measure_decode(ids, chosen, tokens, compiled=True)
+        assert engine.compiled_decode(True) is not None, engine.compiled_decode_failure
+        assert compiled.tokens == eager.tokens
+        assert abs(compiled.ledger.decode_bytes_read - eager.ledger.decode_bytes_read) \
+            <= 1e-3 * eager.ledger.decode_bytes_read
+    return eager
+
+
 @pytest.fixture(scope="session")
 def probe_model_dir() -> Path:
     if not (PROBE_MODEL_DIR / "model.safetensors").is_file():
