@@ -53,6 +53,24 @@ constexpr int64_t kGroup = 8;   // active weight rows combined per pass
 constexpr int64_t kMaxTile = 768;  // output columns per tile at most: 8 x 768 x 4 B = 24 KiB of weights in L1
 constexpr int64_t kMinWorkPerThread = 1 << 16;  // multiply-adds below which one thread does it all
 
+// Weight rows are requested into L2 (prefetcht1) one unit of work ahead: the next group of kGroup rows
+// (fp32, int8) or the next int4 group's active rows. A call's rows are short interleaved streams (8 to 32
+// rows read a few cache lines at a time) that the hardware prefetcher does not run ahead of, so without
+// this a decode step reads its weights from DRAM at a fraction of the bandwidth. The quantized products
+// request the next rows' lines column by column as they combine the current ones (a burst of a whole
+// group's lines at once stalls on the miss buffers and gained int4 nothing); fp32 requests a tile at
+// once. Into L2 rather than L1, which the accumulators and the current rows occupy. Measured on
+// SmolLM2-135M's layer shapes, 30 layers streamed from DRAM in rotating order, 2 threads, one token,
+// interleaved with the kernel without it: int8 1.5-1.65x faster, int4 1.2-1.45x, fp32 at half the rows
+// 1.1x; with the weights already in cache (not a decode step's case) fp32 ran 0.88x.
+constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality: 2 = prefetcht1 (into L2)
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(c + at, 0, kPrefetchLocality);
+  __builtin_prefetch(c + bytes - 1, 0, kPrefetchLocality);
+}
+
 // The channels a call reads, and the input values it multiplies them by.
 struct Selection {
   std::vector<int64_t> channels;  // active input channels, ascending (so memory is read in order)
@@ -137,8 +155,10 @@ Selection select_top_k(const float* x, int64_t rows, int64_t in, const float* sc
 // group loop ran at ~1.7 cycles per weight (shuffles instead of one sign-extending load), slower per
 // byte than the fp32 loop. Here each 16 (AVX-512) or 8 (AVX2) weights are one sign-extending load, one
 // conversion and one multiply-add, two output vectors at a time with two partial sums each so the
-// multiply-adds of a group do not wait on each other.
-inline void int8_group_into(const int8_t* const* w, const float* c, float* acc, int64_t o0, int64_t o1) {
+// multiply-adds of a group do not wait on each other. `next` (or nullptr): the rows of the group that
+// follows, whose same columns are requested as these are combined (see kPrefetchLocality).
+inline void int8_group_into(const int8_t* const* w, const float* c, float* acc, int64_t o0, int64_t o1,
+                            const int8_t* const* next) {
   int64_t o = o0;
 #if defined(__AVX512F__)
   __m512 cv[kGroup];
@@ -147,6 +167,9 @@ inline void int8_group_into(const int8_t* const* w, const float* c, float* acc, 
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   };
   for (; o + 32 <= o1; o += 32) {
+    if (next != nullptr) {
+      for (int64_t k = 0; k < kGroup; ++k) __builtin_prefetch(next[k] + o, 0, kPrefetchLocality);
+    }
     __m512 a0 = _mm512_loadu_ps(acc + o), a1 = _mm512_loadu_ps(acc + o + 16);
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     for (int64_t k = 0; k < kGroup; k += 2) {
@@ -165,6 +188,9 @@ inline void int8_group_into(const int8_t* const* w, const float* c, float* acc, 
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   };
   for (; o + 16 <= o1; o += 16) {
+    if (next != nullptr) {
+      for (int64_t k = 0; k < kGroup; ++k) __builtin_prefetch(next[k] + o, 0, kPrefetchLocality);
+    }
     __m256 a0 = _mm256_loadu_ps(acc + o), a1 = _mm256_loadu_ps(acc + o + 8);
     __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
     for (int64_t k = 0; k < kGroup; k += 2) {
@@ -189,9 +215,10 @@ constexpr int64_t kQuantGroup = 32;  // int4: input channels sharing one scale a
 // acc[0, out) += d * (sum over k of c[k] * q_k) + m * (sum over k of c[k]) for the `count` active rows w[k]
 // of one int4 group (d, m: that group's fp16 scale and minimum rows). The partial sums of 64 (AVX-512) or
 // 32 (AVX2) outputs stay in registers over all the group's rows, so each output is loaded and stored once
-// per group.
+// per group. next[0, next_count): the rows of the thread's next group, whose same columns are requested
+// as these are combined.
 inline void int4_group_into(const uint8_t* const* w, const float* c, int64_t count, const at::Half* d,
-                            const at::Half* m, float* acc, int64_t out) {
+                            const at::Half* m, float* acc, int64_t out, const uint8_t* const* next, int64_t next_count) {
   float total = 0.0f;
   for (int64_t k = 0; k < count; ++k) total += c[k];
   int64_t o = 0;
@@ -204,6 +231,7 @@ inline void int4_group_into(const uint8_t* const* w, const float* c, int64_t cou
     _mm512_storeu_ps(acc + at, _mm512_fmadd_ps(half16(d + at), t, _mm512_fmadd_ps(half16(m + at), sum, _mm512_loadu_ps(acc + at))));
   };
   for (; o + 64 <= out; o += 64) {
+    for (int64_t k = 0; k < next_count; ++k) __builtin_prefetch(next[k] + o / 2, 0, kPrefetchLocality);
     __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps(), t2 = _mm512_setzero_ps(), t3 = _mm512_setzero_ps();
     for (int64_t k = 0; k < count; ++k) {
       const __m512 cv = _mm512_set1_ps(c[k]);
@@ -239,6 +267,7 @@ inline void int4_group_into(const uint8_t* const* w, const float* c, int64_t cou
     _mm256_storeu_ps(acc + at, _mm256_fmadd_ps(half8(d + at), t, _mm256_fmadd_ps(half8(m + at), sum, _mm256_loadu_ps(acc + at))));
   };
   for (; o + 32 <= out; o += 32) {
+    for (int64_t k = 0; k < next_count; ++k) __builtin_prefetch(next[k] + o / 2, 0, kPrefetchLocality);
     __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps(), t3 = _mm256_setzero_ps();
     for (int64_t k = 0; k < count; ++k) {
       const __m256 cv = _mm256_set1_ps(c[k]);
@@ -282,8 +311,21 @@ void accumulate_int4(const Selection& sel, const uint8_t* wt, const at::Half* sc
     float* a = acc + tid * rows * out;
     const uint8_t* w[kQuantGroup];
     float c[kQuantGroup];
+    auto prefetch_scales = [&](int64_t s) {  // a span's fp16 scales and minimums: 2 x out values
+      prefetch_bytes(scales + 2 * (sel.channels[starts[s]] / kQuantGroup) * out, 2 * out * 2);
+    };
+    if (begin < end) {  // the first span of this thread, at once
+      for (int64_t j = starts[begin]; j < starts[begin + 1]; ++j) prefetch_bytes(wt + sel.channels[j] * row_bytes, row_bytes);
+      prefetch_scales(begin);
+    }
+    const uint8_t* nw[kQuantGroup];
     for (int64_t s = begin; s < end; ++s) {
       const int64_t j0 = starts[s], j1 = starts[s + 1];
+      int64_t next_count = 0;
+      if (s + 1 < end) {  // the next span's rows are requested inside the product, its scales here
+        for (int64_t j = starts[s + 1]; j < starts[s + 2]; ++j) nw[next_count++] = wt + sel.channels[j] * row_bytes;
+        prefetch_scales(s + 1);
+      }
       const int64_t g = sel.channels[j0] / kQuantGroup;
       const at::Half* d = scales + (2 * g) * out;
       for (int64_t b = 0; b < rows; ++b) {
@@ -294,7 +336,7 @@ void accumulate_int4(const Selection& sel, const uint8_t* wt, const at::Half* sc
           w[count] = wt + sel.channels[j] * row_bytes;
           c[count++] = v;
         }
-        if (count > 0) int4_group_into(w, c, count, d, d + out, a + b * out, out);
+        if (count > 0) int4_group_into(w, c, count, d, d + out, a + b * out, out, nw, b == 0 ? next_count : 0);
       }
     }
   };
@@ -336,17 +378,14 @@ void accumulate_groups(const Selection& sel, const scalar_t* wt, const int64_t r
       for (int64_t k = 0; k < kGroup; ++k) {
         wk[k] = wt + sel.channels[j + k] * out;
       }
+      // The rows of the next group, when this thread runs one: requested while this group is combined.
+      const bool has_next = g + 1 < end && n - (j + kGroup) >= kGroup;
+      const scalar_t* nk[kGroup];
+      for (int64_t k = 0; k < kGroup; ++k) nk[k] = has_next ? wt + sel.channels[j + kGroup + k] * out : nullptr;
       for (int64_t o0 = 0; o0 < out; o0 += tile) {
         const int64_t o1 = std::min(out, o0 + tile);
         if constexpr (std::is_same_v<scalar_t, int8_t>) {
-          if (g + 2 < end && n - (j + 2 * kGroup) >= kGroup) {
-            // int8 rows are a quarter the length of fp32 ones: too short a stream for the hardware
-            // prefetcher to run ahead of, so the rows of the group after next are requested here.
-            for (int64_t k = 0; k < kGroup; ++k) {
-              const char* next = reinterpret_cast<const char*>(wt + sel.channels[j + 2 * kGroup + k] * out) + o0;
-              for (int64_t line = 0; line < o1 - o0; line += 64) __builtin_prefetch(next + line, 0, 3);
-            }
-          }
+          bool requested = !has_next;
           for (int64_t b = 0; b < rows; ++b) {  // one row at a time: the tile's weights stay in L1 across rows
             float cc[kGroup];
             bool any = false;
@@ -354,9 +393,14 @@ void accumulate_groups(const Selection& sel, const scalar_t* wt, const int64_t r
               cc[k] = c[k * rows + b];
               any |= cc[k] != 0.0f;
             }
-            if (any) int8_group_into(wk, cc, a + b * out, o0, o1);
+            if (!any) continue;
+            int8_group_into(wk, cc, a + b * out, o0, o1, requested ? nullptr : nk);  // requests them once per tile
+            requested = true;
           }
           continue;
+        }
+        if (has_next) {  // floating-point weights: the next group's part of this tile, at once
+          for (int64_t k = 0; k < kGroup; ++k) prefetch_bytes(nk[k] + o0, (o1 - o0) * static_cast<int64_t>(sizeof(scalar_t)));
         }
         int64_t b = 0;
         // Two rows per pass: each weight loaded from L1 feeds two accumulators.
