@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,3 +116,26 @@ def run_tool(command: list[str]) -> str:
         tail = " | ".join((completed.stderr or completed.stdout).strip().splitlines()[-3:])
         raise PeerUnavailableError(f"{Path(command[0]).name} exited with {completed.returncode}: {tail}")
     return completed.stdout
+
+
+def server_command(llama: LlamaCpp, gguf: Path, *, threads: int, slots: int, port: int, host: str = "127.0.0.1",
+                   context_per_slot: int = 1024, repack: bool = False) -> list[str]:
+    """`llama-server` with `slots` parallel sequences (continuous batching, llama.cpp's default) sharing a
+    context of `slots * context_per_slot` tokens, on `threads` threads, without its web UI. repack off by default:
+    its repacked Q8_0/Q4_1 paths crash llama-server on some CPUs (AVX-512 Zen 4 among them)."""
+    return [str(llama.tool("llama-server")), "-m", str(gguf), "-t", str(threads), "-np", str(slots),
+            "-c", str(slots * context_per_slot), "--host", host, "--port", str(port), "--no-webui",
+            "--repack" if repack else "--no-repack"]
+
+
+def report(produce: Callable[[], dict], render: Callable[[dict], str], out: Path) -> int:
+    """Run a benchmark that may put llama.cpp beside the engine and print its table: exit status 0, or 2 with the
+    one-line reason when the peer's tools fail mid-run (what ran before is lost with the run)."""
+    try:
+        result = produce()
+    except PeerUnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render(result))
+    print(f"wrote {out}")
+    return 0

@@ -40,7 +40,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
-from prunewatch.bench.llama_cpp import PEER_TYPES, LlamaCpp, PeerUnavailableError, bench_command, peer_gguf, run_tool
+from prunewatch.bench.llama_cpp import (
+    PEER_TYPES,
+    LlamaCpp,
+    PeerUnavailableError,
+    bench_command,
+    peer_gguf,
+    report,
+    run_tool,
+)
 from prunewatch.bench.llama_cpp import decode_rate as peer_decode_rate
 from prunewatch.bench.mechanisms import QUALITY_TARGET
 from prunewatch.bench.served import ServedModel
@@ -498,19 +506,13 @@ def main(argv: list[str] | None = None) -> int:
         except PeerUnavailableError as exc:
             parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    try:
-        result = run(args.model_dir, tokens=args.tokens, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
-                     probes=args.probes, calibration_dir=args.calibration_dir, threads=args.threads, out=args.out,
-                     plot=None if args.no_plot else args.plot, compiled=not args.no_compiled, peer=args.peer,
-                     llama_cpp_dir=args.llama_cpp_dir, peer_repack=not args.peer_no_repack,
-                     served=not args.no_served)
-    except PeerUnavailableError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(result))
-    print(f"wrote {args.out}")
-    return 0
-
+    return report(lambda: run(args.model_dir, tokens=args.tokens, rounds=args.rounds,
+                              max_new_tokens=args.max_new_tokens, probes=args.probes,
+                              calibration_dir=args.calibration_dir, threads=args.threads, out=args.out,
+                              plot=None if args.no_plot else args.plot, compiled=not args.no_compiled,
+                              peer=args.peer, llama_cpp_dir=args.llama_cpp_dir, peer_repack=not args.peer_no_repack,
+                              served=not args.no_served),
+                  format_table, args.out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,8 +22,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
+
+from prunewatch.bench.llama_cpp import LlamaCpp, PeerUnavailableError, server_command
 
 logger = logging.getLogger("prunewatch.bench.speed")
 
@@ -48,18 +51,15 @@ def _free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
-class ServedModel:
-    """`prunewatch serve --model DIR` on 127.0.0.1 in a child process, with `threads` intra-op threads per
-    generation; a context manager (started on entry, stopped on exit). Its log goes to a temporary file, whose
-    end is shown when it fails to start."""
+class LoopbackServer:
+    """A server in a child process on 127.0.0.1, on a free port: a context manager (started on entry, stopped on
+    exit). Its log goes to a temporary file, whose end is shown when it fails to start. Subclasses say how to
+    start it (`command`, `environment`) and when it is ready (`ready`)."""
 
     HOST = "127.0.0.1"
+    label = "server"
 
-    def __init__(self, model_dir: Path, *, threads: int, calibration_dir: Path | None = None, device: str = "cpu",
-                 startup_timeout_s: float = 900.0, weights: str | None = None) -> None:
-        self.model_dir, self.threads, self.device = Path(model_dir), threads, device
-        self.weights = weights  # EngineSettings.weights of the server (None: the environment's, else fp32)
-        self.calibration_dir = calibration_dir
+    def __init__(self, startup_timeout_s: float = 900.0) -> None:
         self.startup_timeout_s = startup_timeout_s
         self.port = 0
         self.model_name = ""
@@ -72,46 +72,48 @@ class ServedModel:
         return f"http://{self.HOST}:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "prunewatch", "serve", "--model", str(self.model_dir), "--host", self.HOST,
-                "--port", str(self.port), "--device", self.device, "--threads", str(self.threads),
-                *(["--weights", self.weights] if self.weights else [])]
+        raise NotImplementedError
 
-    def __enter__(self) -> ServedModel:
-        env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
-        env["PRUNEWATCH_ENGINE_COMPILE_DECODE"] = "false"  # the eager engine, as the in-process runs it is held to
-        if self.calibration_dir is not None:
-            env["PRUNEWATCH_ENGINE_CALIBRATION_DIR"] = str(self.calibration_dir)
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def ready(self, client: httpx.Client) -> bool:
+        """Whether the server answers; sets `model_name` when it does."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
         self.port = _free_port(self.HOST)
-        self._log = tempfile.NamedTemporaryFile(prefix="prunewatch-bench-serve-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix=f"prunewatch-bench-{self.label}-", suffix=".log", delete=False)
         started = time.perf_counter()
-        self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL)
+        self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                         env=self.environment(), stdin=subprocess.DEVNULL)
         self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
         try:
             self._wait_until_listening()
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        logger.info("prunewatch serve (%s, %s weights, %d threads) listening on %s after %.0f s", self.model_name,
-                    self.weights or "default", self.threads, self.url, time.perf_counter() - started)
+        logger.info("%s (%s) listening on %s after %.0f s", self.label, self.describe(), self.url,
+                    time.perf_counter() - started)
         return self
+
+    def describe(self) -> str:
+        return self.model_name
 
     def _wait_until_listening(self) -> None:
         assert self._process is not None and self._client is not None
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"prunewatch serve exited with {self._process.returncode} before listening:\n"
+                raise RuntimeError(f"{self.label} exited with {self._process.returncode} before listening:\n"
                                    f"{self.log_tail()}")
             try:
-                models = self._client.get("/v1/models", timeout=2.0)
-                if models.status_code == 200:
-                    self.model_name = models.json()["data"][0]["id"]
+                if self.ready(self._client):
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"prunewatch serve did not listen within {self.startup_timeout_s:g} s:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.label} did not listen within {self.startup_timeout_s:g} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
         if self._log is None:
@@ -123,7 +125,7 @@ class ServedModel:
             self._client.close()
             self._client = None
         if self._process is not None and self._process.poll() is None:
-            self._process.send_signal(signal.SIGINT)  # uvicorn's graceful stop
+            self._process.send_signal(signal.SIGINT)  # a graceful stop (uvicorn, llama-server)
             try:
                 self._process.wait(30)
             except subprocess.TimeoutExpired:
@@ -134,6 +136,42 @@ class ServedModel:
             self._log.close()
             Path(self._log.name).unlink(missing_ok=True)
             self._log = None
+
+
+class ServedModel(LoopbackServer):
+    """`prunewatch serve --model DIR` on 127.0.0.1 in a child process, with `threads` intra-op threads per
+    generation, eager (compiled decode off), without API keys."""
+
+    label = "prunewatch serve"
+
+    def __init__(self, model_dir: Path, *, threads: int, calibration_dir: Path | None = None, device: str = "cpu",
+                 startup_timeout_s: float = 900.0, weights: str | None = None) -> None:
+        super().__init__(startup_timeout_s)
+        self.model_dir, self.threads, self.device = Path(model_dir), threads, device
+        self.weights = weights  # EngineSettings.weights of the server (None: the environment's, else fp32)
+        self.calibration_dir = calibration_dir
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "prunewatch", "serve", "--model", str(self.model_dir), "--host", self.HOST,
+                "--port", str(self.port), "--device", self.device, "--threads", str(self.threads),
+                *(["--weights", self.weights] if self.weights else [])]
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+        env["PRUNEWATCH_ENGINE_COMPILE_DECODE"] = "false"  # the eager engine, as the in-process runs it is held to
+        if self.calibration_dir is not None:
+            env["PRUNEWATCH_ENGINE_CALIBRATION_DIR"] = str(self.calibration_dir)
+        return env
+
+    def ready(self, client: httpx.Client) -> bool:
+        models = client.get("/v1/models", timeout=2.0)
+        if models.status_code != 200:
+            return False
+        self.model_name = models.json()["data"][0]["id"]
+        return True
+
+    def describe(self) -> str:
+        return f"{self.model_name}, {self.weights or 'default'} weights, {self.threads} threads"
 
     def decode(self, prompt: str, new_tokens: int, *, dense: bool) -> ServedDecode:
         """Stream one chat completion of `prompt` (`new_tokens` at most) and time its text chunks."""
@@ -172,3 +210,30 @@ class ServedModel:
             prompt_tokens=int(final.get("usage", {}).get("prompt_tokens", 0)),
             decode_pruning_ratio=stats.get("decode_pruning_ratio"),
             finish_reason=(final.get("choices") or [{}])[0].get("finish_reason"))
+
+
+class LlamaServer(LoopbackServer):
+    """llama.cpp's `llama-server` on a GGUF with `slots` parallel sequences, on 127.0.0.1 in a child process."""
+
+    label = "llama-server"
+
+    def __init__(self, llama: LlamaCpp, gguf: Path, *, threads: int, slots: int, startup_timeout_s: float = 300.0
+                 ) -> None:
+        super().__init__(startup_timeout_s)
+        if not llama.tool("llama-server").is_file():
+            raise PeerUnavailableError(f"no llama-server in {llama.bin_dir}: build it with `bash bench/build-llama-cpp.sh`")
+        self.llama, self.gguf, self.threads, self.slots = llama, gguf, threads, slots
+
+    def command(self) -> list[str]:
+        return server_command(self.llama, self.gguf, threads=self.threads, slots=self.slots, port=self.port,
+                              host=self.HOST)
+
+    def ready(self, client: httpx.Client) -> bool:
+        if client.get("/health", timeout=2.0).status_code != 200:  # 503 while the model loads
+            return False
+        models = client.get("/v1/models", timeout=2.0)
+        self.model_name = models.json()["data"][0]["id"] if models.status_code == 200 else self.gguf.name
+        return True
+
+    def describe(self) -> str:
+        return f"{self.gguf.name}, {self.slots} slots, {self.threads} threads"
