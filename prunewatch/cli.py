@@ -279,6 +279,16 @@ def bench_kernels_command(ctx: typer.Context) -> None:
     _run_bench(bench_main, list(ctx.args))
 
 
+@bench_app.command("load", context_settings=_BENCH_ARGS, add_help_option=False)
+def bench_load_command(ctx: typer.Context) -> None:
+    """Serving under load: 1, 2, 4, 8 concurrent streaming clients against `prunewatch serve`, dense and default,
+    in one run: aggregate tokens/s, p50/p99 time per output token and to first token; --peer llama.cpp
+    llama-server -np N beside it."""
+    from prunewatch.bench.load import main as bench_main
+
+    _run_bench(bench_main, list(ctx.args))
+
+
 @bench_app.command("speed", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_speed_command(ctx: typer.Context) -> None:
     """The machine's read bandwidth, then plain transformers, engine dense and engine at its defaults decoding

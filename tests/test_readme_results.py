@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prunewatch.bench import frontier, mechanisms, precision
+from prunewatch.bench import frontier, load, mechanisms, precision
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -22,6 +22,7 @@ CITED_TABLES: tuple[tuple[str, Callable[[dict], str]], ...] = (
     ("bench/results/mechanisms-cpu.json", mechanisms.format_table),
     ("bench/results/frontier-SmolLM2-135M-Instruct.json", frontier.format_table),
     ("bench/results/precision-cpu.json", precision.format_table),
+    ("bench/results/load-cpu.json", load.format_table),
 )
 
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
-import stat
-import sys
-from pathlib import Path
 
 import pytest
 
 from prunewatch.bench import llama_cpp, precision, weight_kernels
+from tests.support.llama_cpp_fake import fake_llama_cpp, probe_model_with_gguf
 
 
 def test_precision_bench_reports_every_configuration_with_its_interval(probe_model_dir, calibration_dir, tmp_path):
@@ -63,32 +60,10 @@ def test_llama_bench_output_is_read_and_a_missing_build_says_how_to_make_one(tmp
                            "--repack", "0", "-o", "json"]
 
 
-def _fake_llama_cpp(folder: Path) -> Path:
-    """Stand-ins for llama-quantize (copies its input) and llama-bench (prints a recorded result, logs its
-    arguments): the benchmark's plumbing runs without a 10-minute build; the committed result used the real tools."""
-    bin_dir = folder / "bin"
-    bin_dir.mkdir(parents=True)
-    scripts = {
-        "llama-quantize": "import shutil, sys\nshutil.copyfile(sys.argv[-3], sys.argv[-2])\n",
-        "llama-bench": (f"import json, sys\nopen({str(folder / 'calls.log')!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
-                        "if '--version' in sys.argv: print('version: 0 (test)'); sys.exit(0)\n"
-                        f"print(json.dumps({RECORDED!r}))\n"),
-    }
-    for name, body in scripts.items():
-        path = bin_dir / name
-        path.write_text(f"#!{sys.executable}\n{body}")
-        path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return folder
-
-
 def test_precision_bench_puts_llama_cpp_beside_each_precision(probe_model_dir, calibration_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the made GGUFs go here (conftest pins the kernel's)
-    model = tmp_path / "model"
-    shutil.copytree(probe_model_dir, model)
-    (model / "probe.Q4_1.gguf").write_bytes(b"GGUF" + b"\0" * 60)
-    manifest = json.loads((model / "manifest.json").read_text()) if (model / "manifest.json").is_file() else {}
-    (model / "manifest.json").write_text(json.dumps({**manifest, "gguf": {"file": "probe.Q4_1.gguf"}}))
-    tools = _fake_llama_cpp(tmp_path / "llama.cpp")
+    model = probe_model_with_gguf(probe_model_dir, tmp_path / "model")
+    tools = fake_llama_cpp(tmp_path / "llama.cpp", RECORDED)
     out = tmp_path / "precision.json"
     code = precision.main(["--model-dir", str(model), "--tokens", "4", "--rounds", "2", "--probes", "2",
                            "--max-new-tokens", "3", "--calibration-dir", str(calibration_dir), "--out", str(out),

@@ -1,0 +1,98 @@
+"""`prunewatch bench load`: what its figures count, and its runs against `prunewatch serve` of the probe model and a
+stand-in llama-server; never timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prunewatch.bench import load
+from prunewatch.bench.load import StreamedRequest, nearest_rank, summarise
+from tests.engine.test_precision_bench import RECORDED
+from tests.support.llama_cpp_fake import fake_llama_cpp, probe_model_with_gguf
+
+
+def test_a_level_counts_only_the_tokens_that_arrived_inside_its_window():
+    window = (10.0, 20.0)
+    requests = [
+        StreamedRequest(0, sent=10.0, arrivals=[11.0, 11.5, 12.0, 12.5], status=200, finished=True,
+                        decode_pruning_ratio=0.25),
+        StreamedRequest(0, sent=12.5, arrivals=[18.0, 19.0, 20.0, 21.0, 22.0], status=200),  # cut: 3 inside
+        StreamedRequest(1, sent=10.0, arrivals=[], status=0),  # queued the whole window
+        StreamedRequest(1, sent=10.2, arrivals=[], status=503, error="HTTP 503: busy"),
+    ]
+    level = summarise(requests, window, clients=2)
+    assert level["tokens"] == 4 + 3
+    assert level["aggregate_tokens_per_s"] == pytest.approx(0.7)
+    assert level["per_client_tokens_per_s"] == pytest.approx(0.35)
+    assert (level["requests"], level["finished"], level["cut"], level["unserved"]) == (4, 1, 1, 2)
+    assert level["errors"] == {"HTTP 503": 1}
+    # per request, from the chunks inside the window: 0.5 s and 1.0 s per token; first tokens after 1.0 s and 5.5 s
+    assert (level["tpot_p50_ms"], level["tpot_p99_ms"]) == (500.0, 1000.0)
+    assert (level["ttft_p50_ms"], level["ttft_p99_ms"]) == (1000.0, 5500.0)
+    assert level["mean_decode_pruning_ratio"] == 0.25
+    assert requests[1].tpot_s() == pytest.approx(1.0) and requests[2].ttft_s() is None
+
+
+def test_nearest_rank_returns_an_observed_value():
+    assert nearest_rank([], 0.5) is None
+    assert nearest_rank([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert nearest_rank([float(v) for v in range(1, 101)], 0.99) == 99.0
+    assert nearest_rank([1.0, 9.0], 0.99) == 9.0
+
+
+def test_load_bench_drives_serve_dense_and_default_at_each_level(probe_model_dir, calibration_dir, tmp_path):
+    out, plot = tmp_path / "load.json", tmp_path / "load.png"
+    code = load.main(["--model-dir", str(probe_model_dir), "--calibration-dir", str(calibration_dir),
+                      "--clients", "2,1", "--window", "3", "--max-tokens", "6", "--threads", "1",
+                      "--out", str(out), "--plot", str(plot)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("prunewatch bench load") and result["levels"] == [1, 2]
+    assert set(result["method"]) >= {"aggregate_tokens_per_s", "tpot_p50_ms, tpot_p99_ms", "default_vs_dense"}
+    assert set(result["series"]) == {"dense", "default"}
+    for rows in result["series"].values():
+        assert [r["clients"] for r in rows] == [1, 2]
+        assert rows[0]["scaling_vs_1_client"] == 1.0
+        for row in rows:
+            assert row["errors"] == {} and row["tokens"] > 0 and row["requests"] >= row["clients"]
+            assert row["aggregate_tokens_per_s"] == pytest.approx(row["tokens"] / row["window_s"], rel=1e-3)
+            assert row["tpot_p50_ms"] is not None and row["tpot_p50_ms"] <= row["tpot_p99_ms"]
+            assert row["finished"] >= 1  # six-token answers end well inside three seconds on the probe model
+    for row in result["series"]["dense"]:
+        assert row["mean_decode_pruning_ratio"] == 0.0  # X-Pruning-Sensitivity: 0
+    for row in result["series"]["default"]:
+        assert row["default_vs_dense"] > 0
+    assert plot.stat().st_size > 0
+    assert "| default | 2 |" in load.format_table(result)
+
+
+def test_load_bench_puts_llama_server_with_n_slots_beside_each_level(probe_model_dir, calibration_dir, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the made F32 GGUF goes here
+    model = probe_model_with_gguf(probe_model_dir, tmp_path / "model")
+    tools = fake_llama_cpp(tmp_path / "llama.cpp", RECORDED)
+    out = tmp_path / "load.json"
+    code = load.main(["--model-dir", str(model), "--calibration-dir", str(calibration_dir), "--clients", "1,2",
+                      "--window", "2", "--max-tokens", "4", "--threads", "1", "--out", str(out), "--no-plot",
+                      "--peer", "llama.cpp", "--llama-cpp-dir", str(tools)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["peer"]["version"].startswith("version: 0 (test)") and result["peer"]["gguf"].endswith(".F32.gguf")
+    peer = result["series"]["llama.cpp F32"]
+    assert [r["clients"] for r in peer] == [1, 2]
+    for row in peer:
+        assert row["errors"] == {} and row["tokens"] > 0 and row["finished"] >= 1
+        assert f"-np {row['clients']} " in row["command"] and row["command"].endswith("--no-repack")
+    servers = [c for c in (tools / "calls.log").read_text().splitlines() if c.startswith("llama-server")]
+    assert len(servers) == 2 and all("-t 1 " in c and ".F32.gguf" in c for c in servers)
+
+
+def test_load_bench_rejects_bad_levels_and_a_missing_llama_server(probe_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load.main(["--model-dir", str(probe_model_dir), "--clients", "0,2"])
+    assert exit_info.value.code == 2 and "integers >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        load.main(["--model-dir", str(probe_model_dir), "--peer", "llama.cpp", "--llama-cpp-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "bench/build-llama-cpp.sh" in capsys.readouterr().err
