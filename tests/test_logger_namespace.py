@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "prunewatch"
-FOREIGN = {"apscheduler"}  # third-party loggers the package only quiets
+FOREIGN = {"apscheduler", "httpx"}  # third-party loggers the package only quiets
 
 
 def _logger_names(source: Path) -> list[tuple[int, str]]:

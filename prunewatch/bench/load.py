@@ -257,7 +257,7 @@ def _with_ratios(series: dict[str, list[dict[str, Any]]]) -> None:
 
 def run(model_dir: Path, *, levels: tuple[int, ...], window_s: float, max_tokens: int, threads: int,
         peer: str | None, llama_cpp_dir: Path | None, out: Path, plot: Path | None,
-        calibration_dir: Path | None = None) -> dict[str, Any]:
+        calibration_dir: Path | None = None, gguf: Path | None = None) -> dict[str, Any]:
     prompts = load_prompts()
     started = time.perf_counter()
     result: dict[str, Any] = {
@@ -277,9 +277,10 @@ def run(model_dir: Path, *, levels: tuple[int, ...], window_s: float, max_tokens
         from prunewatch.engine.model_store import source_gguf
 
         llama = LlamaCpp.find(llama_cpp_dir)
-        source = source_gguf(model_dir)
+        source = gguf or source_gguf(model_dir)
         if source is None:
-            raise PeerUnavailableError(f"{model_dir} keeps no GGUF to give llama.cpp (run `prunewatch models pull`)")
+            raise PeerUnavailableError(f"{model_dir} keeps no GGUF to give llama.cpp (run `prunewatch models pull`, "
+                                       "or name one with --gguf)")
         gguf = peer_gguf(llama, source, "fp32")
         series["llama.cpp F32"] = run_peer(llama, gguf, prompts, threads=threads, levels=levels, window_s=window_s,
                                            max_tokens=max_tokens)
@@ -374,11 +375,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp-dir", type=Path, default=None,
                         help="llama.cpp build holding bin/llama-server (default: $PRUNEWATCH_LLAMA_CPP_DIR, else "
                              "the cache; bench/build-llama-cpp.sh makes one)")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="GGUF of the same model for llama-server, made F32 with llama-quantize (default: the "
+                             "one `models pull` kept in the model folder)")
     args = parser.parse_args(argv)
     if args.window <= 0 or args.max_tokens < 2:
         parser.error("--window must be > 0 and --max-tokens >= 2")
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"no model at {args.model_dir} (run `prunewatch models pull`)")
+    if args.gguf is not None and not args.gguf.is_file():
+        parser.error(f"no GGUF at {args.gguf}")
     if args.peer is not None:
         try:
             if not LlamaCpp.find(args.llama_cpp_dir).tool("llama-server").is_file():
@@ -391,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(lambda: run(args.model_dir, levels=args.clients, window_s=args.window,
                                   max_tokens=args.max_tokens, threads=threads, peer=args.peer,
                                   llama_cpp_dir=args.llama_cpp_dir, out=args.out,
-                                  plot=None if args.no_plot else args.plot, calibration_dir=args.calibration_dir),
+                                  plot=None if args.no_plot else args.plot, calibration_dir=args.calibration_dir,
+                                  gguf=args.gguf),
                       format_table, args.out)
 
 if __name__ == "__main__":

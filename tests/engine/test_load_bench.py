@@ -10,7 +10,7 @@ import pytest
 from prunewatch.bench import load
 from prunewatch.bench.load import StreamedRequest, nearest_rank, summarise
 from tests.engine.test_precision_bench import RECORDED
-from tests.support.llama_cpp_fake import fake_llama_cpp, probe_model_with_gguf
+from tests.support.llama_cpp_fake import fake_llama_cpp
 
 
 def test_a_level_counts_only_the_tokens_that_arrived_inside_its_window():
@@ -71,12 +71,13 @@ def test_load_bench_drives_serve_dense_and_default_at_each_level(probe_model_dir
 def test_load_bench_puts_llama_server_with_n_slots_beside_each_level(probe_model_dir, calibration_dir, tmp_path,
                                                                      monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the made F32 GGUF goes here
-    model = probe_model_with_gguf(probe_model_dir, tmp_path / "model")
+    gguf = tmp_path / "probe.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)  # the stand-in llama-quantize copies it, llama-server never reads it
     tools = fake_llama_cpp(tmp_path / "llama.cpp", RECORDED)
     out = tmp_path / "load.json"
-    code = load.main(["--model-dir", str(model), "--calibration-dir", str(calibration_dir), "--clients", "1,2",
-                      "--window", "2", "--max-tokens", "4", "--threads", "1", "--out", str(out), "--no-plot",
-                      "--peer", "llama.cpp", "--llama-cpp-dir", str(tools)])
+    code = load.main(["--model-dir", str(probe_model_dir), "--calibration-dir", str(calibration_dir), "--clients",
+                      "1,2", "--window", "2", "--max-tokens", "4", "--threads", "1", "--out", str(out), "--no-plot",
+                      "--peer", "llama.cpp", "--llama-cpp-dir", str(tools), "--gguf", str(gguf)])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["peer"]["version"].startswith("version: 0 (test)") and result["peer"]["gguf"].endswith(".F32.gguf")
@@ -96,3 +97,6 @@ def test_load_bench_rejects_bad_levels_and_a_missing_llama_server(probe_model_di
     with pytest.raises(SystemExit) as exit_info:
         load.main(["--model-dir", str(probe_model_dir), "--peer", "llama.cpp", "--llama-cpp-dir", str(tmp_path)])
     assert exit_info.value.code == 2 and "bench/build-llama-cpp.sh" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        load.main(["--model-dir", str(probe_model_dir), "--gguf", str(tmp_path / "missing.gguf")])
+    assert exit_info.value.code == 2 and "no GGUF at" in capsys.readouterr().err
