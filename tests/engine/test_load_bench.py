@@ -68,11 +68,9 @@ def test_load_bench_drives_serve_dense_and_default_at_each_level(probe_model_dir
     assert "| default | 2 |" in load.format_table(result)
 
 
-def test_load_bench_puts_llama_server_with_n_slots_beside_each_level(probe_model_dir, calibration_dir, tmp_path,
-                                                                     monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the made F32 GGUF goes here
-    gguf = tmp_path / "probe.Q4_1.gguf"
-    gguf.write_bytes(b"GGUF" + b"\0" * 60)  # the stand-in llama-quantize copies it, llama-server never reads it
+def test_load_bench_puts_llama_server_with_n_slots_beside_each_level(probe_model_dir, calibration_dir, tmp_path):
+    gguf = tmp_path / "probe.F32.gguf"  # already F32: loaded as it is, no llama-quantize run and nothing cached
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)  # the stand-in llama-server never reads it
     tools = fake_llama_cpp(tmp_path / "llama.cpp", RECORDED)
     out = tmp_path / "load.json"
     code = load.main(["--model-dir", str(probe_model_dir), "--calibration-dir", str(calibration_dir), "--clients",
@@ -80,7 +78,7 @@ def test_load_bench_puts_llama_server_with_n_slots_beside_each_level(probe_model
                       "--peer", "llama.cpp", "--llama-cpp-dir", str(tools), "--gguf", str(gguf)])
     assert code == 0
     result = json.loads(out.read_text())
-    assert result["peer"]["version"].startswith("version: 0 (test)") and result["peer"]["gguf"].endswith(".F32.gguf")
+    assert result["peer"]["version"].startswith("version: 0 (test)") and result["peer"]["gguf"] == str(gguf)
     peer = result["series"]["llama.cpp F32"]
     assert [r["clients"] for r in peer] == [1, 2]
     for row in peer:
