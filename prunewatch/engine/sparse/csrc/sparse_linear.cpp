@@ -328,6 +328,7 @@ void accumulate_int4(const Selection& sel, const uint8_t* wt, const at::Half* sc
       }
       const int64_t g = sel.channels[j0] / kQuantGroup;
       const at::Half* d = scales + (2 * g) * out;
+      bool requested = next_count == 0;
       for (int64_t b = 0; b < rows; ++b) {
         int64_t count = 0;
         for (int64_t j = j0; j < j1; ++j) {
@@ -336,7 +337,9 @@ void accumulate_int4(const Selection& sel, const uint8_t* wt, const at::Half* sc
           w[count] = wt + sel.channels[j] * row_bytes;
           c[count++] = v;
         }
-        if (count > 0) int4_group_into(w, c, count, d, d + out, a + b * out, out, nw, b == 0 ? next_count : 0);
+        if (count == 0) continue;
+        int4_group_into(w, c, count, d, d + out, a + b * out, out, nw, requested ? 0 : next_count);  // once per span
+        requested = true;
       }
     }
   };
