@@ -200,7 +200,7 @@ def serve_command(
     sensitivity: Annotated[float, typer.Option(help="Default pruning sensitivity in [0, 1] (X-Pruning-Sensitivity overrides).")] = 0.5,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = DEFAULT_DEVICE,
     queue_depth: Annotated[int | None, typer.Option(help="Requests waiting + running before 429 (default 64).")] = None,
-    workers: Annotated[int | None, typer.Option(help="Requests generated at once.")] = None,
+    workers: Annotated[int | None, typer.Option(help="Requests decoded together, sharing each decode step (default 8; 1: one at a time).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of each generation (default: the cores shared among "
                                                   "the workers). (env PRUNEWATCH_ENGINE_THREADS)")] = None,
     probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,

@@ -70,6 +70,12 @@ class ExecutionPlan:
     # (teacher-forced scoring), which does more work than the dense head; True runs every row through the
     # kernel instead, as a decode step would: an echoed prompt's logprobs are the request's own prefill work.
     output_head_row_kernel: bool = False
+    # Every row of a call with few rows is computed as it would be alone, whatever the other rows are: dense
+    # products of wrapped layers and of the output head run through the kernel (which sums each row's products in
+    # the same order at any row count) instead of BLAS (whose GEMM blocking, and so its rounding, changes with the
+    # row count). Set for requests decoded together (prunewatch.engine.batching), so a dense request's tokens do
+    # not depend on who shares its steps.
+    row_invariant: bool = False
 
     def __post_init__(self) -> None:
         targets = (self.activation_sparsity, *self.layer_sparsity)
@@ -131,6 +137,9 @@ class ExecutionLedger:
     prefill_sparse_dense_flops: int = 0  # ... and of the sparsity-wrapped subtotal
     prefill_sparse_executed_flops: int = 0
     prefill_bytes_read: int = 0  # weight_bytes_read + kv_bytes_read at the end of the prefill
+    # Decode steps this request shared with others (prunewatch.engine.batching), and the rows of those steps.
+    batched_steps: int = 0
+    batch_rows: int = 0
     # Set once the over-counting warning was logged, so reading the ratios again does not repeat it.
     _overcount_warned: bool = field(default=False, repr=False, compare=False)
 
@@ -157,6 +166,11 @@ class ExecutionLedger:
                            "some work was counted twice, or counted outside a block that added its dense cost",
                            executed, dense, ratio)
         return ratio
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Rows per decode step this request ran in (1.0 when it never shared one)."""
+        return self.batch_rows / self.batched_steps if self.batched_steps else 1.0
 
     @property
     def pruning_ratio(self) -> float:

@@ -8,6 +8,7 @@ returns plain `RequestStats`; it never writes to a database or a metrics registr
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from prunewatch.engine.stats import GenerationResult, QualityReport, RequestStat
 from prunewatch.engine.threads import GenerationThreads
 
 if TYPE_CHECKING:  # imported where they are first used: a dense engine never loads them
+    from prunewatch.engine.batching import DecodeBatcher
     from prunewatch.engine.compiled_decode import CompiledDecode
     from prunewatch.engine.sparse import SparseLinear, SparsityInstallation
     from prunewatch.engine.sparse.output_head import ShortlistHead
@@ -154,6 +156,20 @@ class PruningEngine:
             if self._generation_thread is None:
                 self._generation_thread = GenerationThreads(1, self.settings.threads, name="prunewatch-engine")
             return self._generation_thread
+
+    def new_batcher(self, max_batch: int, threads: int | None = None, *, gather_s: float = 0.05,
+                    prefill_chunk: int = 128, sparse_rows: int = 1) -> DecodeBatcher:
+        """A continuous batcher for this engine's model (prunewatch.engine.batching): generations given it
+        (`stream(batcher=...)`) decode together, up to `max_batch` sharing each decode step, on its stepper thread
+        with `threads` intra-op threads (default: the engine's `threads` setting, else torch's). Their callers'
+        threads then only detokenize and stream, so they should run with one intra-op thread. Compiled decode
+        steps are not used in a batcher. `sparse_rows`: the largest step that keeps the requests' activation
+        sparsity and output-head shortlist (larger ones run dense; prunewatch.engine.batching.batch_plan says
+        why). The caller closes it."""
+        from prunewatch.engine.batching import DecodeBatcher
+
+        return DecodeBatcher(self.instrumented, max_batch, threads or self.settings.threads, gather_s=gather_s,
+                             prefill_chunk=prefill_chunk, sparse_rows=sparse_rows)
 
     # -- calibration -------------------------------------------------------------------------
     def use_calibration(self, calibration: Calibration) -> None:
@@ -306,18 +322,18 @@ class PruningEngine:
     @overload
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, max_new_tokens: int,
                 use_cache: bool, stop_at_eos: bool = ..., compiled: bool | None = ..., logprobs: None = ...,
-                score_prompt: bool = ...) -> Iterator[int]: ...
+                score_prompt: bool = ..., batcher: DecodeBatcher | None = ...) -> Iterator[int]: ...
 
     @overload
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, max_new_tokens: int,
                 use_cache: bool, stop_at_eos: bool = ..., compiled: bool | None = ..., *, logprobs: int,
-                score_prompt: bool = ...) -> Iterator[Scored]: ...
+                score_prompt: bool = ..., batcher: DecodeBatcher | None = ...) -> Iterator[Scored]: ...
 
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger,
                 max_new_tokens: int, use_cache: bool, stop_at_eos: bool = True,
                 compiled: bool | None = None, logprobs: int | None = None,
-                score_prompt: bool = False) -> Iterator[int] | Iterator[Scored]:
+                score_prompt: bool = False, batcher: DecodeBatcher | None = None) -> Iterator[int] | Iterator[Scored]:
         """Greedy decoding under `plan`; yields token ids as they are produced. `compiled`: run decode
         steps as the compiled graph (prunewatch.engine.compiled_decode) where the plan allows; None: per settings.
 
@@ -325,9 +341,14 @@ class PruningEngine:
         (fp32 log-softmax of the step's logits); None computes nothing beyond the argmax. `score_prompt`
         (with `logprobs`): the prefill keeps every row of logits, and the prompt's positions are yielded
         first (`in_prompt`), its first token unscored; with `max_new_tokens` 0 only the prefill runs.
+        `batcher`: decode through it (prunewatch.engine.batching), sharing decode steps with its other requests.
         """
         from transformers import DynamicCache
 
+        if batcher is not None and use_cache:
+            yield from self._decode_batched(batcher, prompt_ids, plan, ledger, max_new_tokens, stop_at_eos,
+                                            logprobs, score_prompt)
+            return
         model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
         device = self.loaded.device
         ids = torch.tensor([prompt_ids], device=device)  # (1, T)
@@ -374,6 +395,53 @@ class PruningEngine:
                     return
                 step_ids = torch.tensor([[token]], device=device)
                 ids = torch.cat([ids, step_ids], dim=1)
+
+    @torch.no_grad()
+    def _decode_batched(self, batcher: DecodeBatcher, prompt_ids: list[int], plan: ExecutionPlan,
+                        ledger: ExecutionLedger, max_new_tokens: int, stop_at_eos: bool, logprobs: int | None,
+                        score_prompt: bool) -> Iterator[int] | Iterator[Scored]:
+        """`_decode` through the batcher: the prefill in chunks on its stepper (in one piece when every prompt row's
+        logits are kept), then each decode step shared with the other requests due at the same time."""
+        from transformers import DynamicCache
+
+        model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
+        device = self.loaded.device
+        cache = DynamicCache(config=model.config)
+        executed_blocks = self._kv_layers_read(plan)
+        score_prompt = score_prompt and logprobs is not None
+        if score_prompt and plan.output_head_sparsity > 0.0:  # every prompt row as the last one is computed
+            plan = replace(plan, output_head_row_kernel=True)
+        plan = replace(plan, row_invariant=True)
+        keep = 0 if score_prompt else 1
+        chunk = len(prompt_ids) if score_prompt else batcher.prefill_chunk
+        with executing(plan, ledger), batcher.sequence(plan, ledger, cache) as sequence:
+            out = None
+            for start in range(0, len(prompt_ids), chunk):
+                piece = torch.tensor([prompt_ids[start:start + chunk]], device=device)  # (1, <= chunk)
+                positions = torch.arange(start, start + piece.shape[1], device=device)[None]
+                out = sequence.run(functools.partial(model, input_ids=piece, cache=cache, use_cache=True,
+                                                     position_ids=positions, logits_to_keep=keep))
+                ledger.kv_bytes_read += int(executed_blocks * (start + piece.shape[1])
+                                            * self._kv_bytes_per_token_per_layer)
+            assert out is not None  # the prompt is never empty
+            ledger.end_prefill()
+            if score_prompt:
+                yield Scored(prompt_ids[0], None, in_prompt=True)
+                yield from score_positions(out.logits[0, :-1], prompt_ids[1:], logprobs or 0, in_prompt=True)
+                if max_new_tokens == 0:
+                    return
+            last = out.logits[0, -1]
+            position = len(prompt_ids)
+            token = -1
+            for step_index in range(max_new_tokens):
+                if step_index > 0:
+                    last = sequence.step(token, position)
+                    position += 1
+                    ledger.kv_bytes_read += int(executed_blocks * position * self._kv_bytes_per_token_per_layer)
+                token = int(last.argmax())
+                yield token if logprobs is None else score_positions(last[None], [token], logprobs)[0]
+                if stop_at_eos and token in self._eos_ids:
+                    return
 
     @property
     def vocab_size(self) -> int:
@@ -433,18 +501,19 @@ class PruningEngine:
         return time.perf_counter() - started if self.compiled_decode() is not None else None
 
     def measure_decode(self, prompt_ids: Sequence[int], plan: ExecutionPlan, new_tokens: int,
-                       compiled: bool | None = None) -> DecodeMeasurement:
+                       compiled: bool | None = None, batcher: DecodeBatcher | None = None) -> DecodeMeasurement:
         """Greedy-decode exactly `new_tokens` tokens under `plan` (end of sequence does not stop it, as
         vLLM's ignore_eos), for benchmarks: the decode loop of every request, without tokenizing,
         streaming text or stats; timed from the first generated token to the last. `compiled`: decode
-        steps as the compiled graph, or eagerly (None: the `compile_decode` setting)."""
+        steps as the compiled graph, or eagerly (None: the `compile_decode` setting); `batcher`: through it,
+        sharing decode steps with whatever else it runs."""
         if new_tokens < 2:
             raise InvalidRequestError(f"measuring decode needs at least 2 new tokens, got {new_tokens}")
         ledger = ExecutionLedger()
         tokens: list[int] = []
         first_at = 0.0
         for token in self._decode(list(prompt_ids), plan, ledger, new_tokens, use_cache=True, stop_at_eos=False,
-                                  compiled=compiled):
+                                  compiled=compiled, batcher=batcher):
             tokens.append(token)
             if len(tokens) == 1:
                 first_at = time.perf_counter()
@@ -469,6 +538,7 @@ class PruningEngine:
         stop: Sequence[str] = (),
         logprobs: int | None = None,
         echo: bool = False,
+        batcher: DecodeBatcher | None = None,
     ) -> Iterator[TokenDelta | GenerationResult]:
         """Yield TokenDelta pieces as tokens are produced, then the GenerationResult.
 
@@ -486,6 +556,8 @@ class PruningEngine:
         `echo`: the prompt's text comes first (a TokenDelta with `echo`, and the result's `prompt_text`)
         and, with `logprobs`, its tokens' log-probabilities from the prefill's own forward pass (the
         first token's is None); `max_new_tokens` may then be 0, which scores the prompt only.
+        `batcher` (PruningEngine.new_batcher): every forward pass of the request, its quality check's included, runs
+        on the batcher's stepper, its decode steps shared with the batcher's other requests.
         """
         started = time.perf_counter()
         request = self._stream_request(
@@ -503,7 +575,7 @@ class PruningEngine:
         if request.echo and request.logprobs is None:
             yield TokenDelta(*prompt_echo.plain(self.loaded.tokenizer), echo=True)
         with PeakMemory(self.loaded.device) as memory:
-            yield from self._stream_pieces(request, plan, ledger, growing, prompt_echo)
+            yield from self._stream_pieces(request, plan, ledger, growing, prompt_echo, batcher)
             if self.loaded.device.type == "cuda":
                 torch.cuda.synchronize(self.loaded.device)
             inferred = time.perf_counter()
@@ -511,7 +583,7 @@ class PruningEngine:
             if completion.rest is not None:
                 yield TokenDelta(*completion.rest)
             served_ids = self._served_ids(completion.tokens, completion.text, completion.stopped_at)
-            report, quality_s = self._check_quality(request, plan, completion, served_ids)
+            report, quality_s = self._check_quality(request, plan, completion, served_ids, batcher)
             peak = memory.peak_bytes()
         stats = self._request_stats(
             request, bypass_plan=bypass_plan, fallback=fallback, plan=plan, ledger=ledger, completion=completion,
@@ -568,12 +640,13 @@ class PruningEngine:
                              logprobs=logprobs, echo=echo, use_cache=use_cache)
 
     def _stream_pieces(self, request: StreamRequest, plan: ExecutionPlan, ledger: ExecutionLedger,
-                       growing: CompletionText, prompt_echo: PromptEcho) -> Iterator[TokenDelta]:
+                       growing: CompletionText, prompt_echo: PromptEcho,
+                       batcher: DecodeBatcher | None = None) -> Iterator[TokenDelta]:
         """The decode loop of a request: each token into the growing completion, and the pieces ready to go out
         (with echo and logprobs, first the prompt's, once the prefill scored all of it); stops at the end of
         sequence, a stop sequence or the length."""
         for item in self._decode(request.prompt_ids, plan, ledger, request.max_new_tokens, request.use_cache,
-                                 logprobs=request.logprobs, score_prompt=request.echo):
+                                 logprobs=request.logprobs, score_prompt=request.echo, batcher=batcher):
             if isinstance(item, Scored):
                 if item.in_prompt:
                     echoed = prompt_echo.add(item)
@@ -589,7 +662,7 @@ class PruningEngine:
                 yield TokenDelta(*piece)
 
     def _check_quality(self, request: StreamRequest, plan: ExecutionPlan, completion: Completion,
-                       served_ids: list[int]) -> tuple[QualityReport | None, float]:
+                       served_ids: list[int], batcher: DecodeBatcher | None = None) -> tuple[QualityReport | None, float]:
         """(the request's quality report, seconds it took): none when its check is off; "full" also generates the
         dense answer for the continuation figures and the divergence."""
         if request.check == "off":  # its own figure: the scoring is not part of this request's postprocessing
@@ -600,9 +673,14 @@ class PruningEngine:
             # A stop sequence ended the answer where its text did: the dense reference is generated over
             # as many tokens, not over the text the client never received.
             reference_tokens = len(completion.tokens) if completion.stopped_at >= 0 else request.max_new_tokens
-            dense = (list(self._decode(request.prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True))
+            dense = (list(self._decode(request.prompt_ids, ExecutionPlan(), ExecutionLedger(), reference_tokens, True,
+                                       batcher=batcher))
                      if plan.skips_work else completion.tokens)
-        report = quality_report(self.instrumented, request.prompt_ids, served_ids, plan, self.loaded.device, dense)
+        def score() -> QualityReport | None:
+            return quality_report(self.instrumented, request.prompt_ids, served_ids, plan, self.loaded.device, dense)
+
+        # Batching: the teacher-forced pass runs on the stepper too, between decode steps, not beside them.
+        report = batcher.run(score) if batcher is not None else score()
         if report is not None and dense is not None:  # where the served text leaves the dense text
             report = replace(report, divergence_at=divergence(
                 served_ids, [t for t in dense if t not in self._eos_ids]))
@@ -652,6 +730,7 @@ class PruningEngine:
             dram_bytes_per_instruction=dram_value,
             dram_source=dram_source,
             finish_reason=completion.finish_reason,
+            mean_batch_size=round(ledger.mean_batch_size, 3),
         )
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:

@@ -85,6 +85,9 @@ class RequestStats:
     dram_bytes_per_instruction: float | None = None
     dram_source: str = "estimate"  # "ncu" when measured with Nsight Compute; "unavailable" on a GPU without a profile
     finish_reason: str = "length"  # "stop" when the model emitted end of sequence
+    # Rows per decode step it ran in: 1.0 alone; more when it shared steps with other requests (continuous
+    # batching, prunewatch/engine/batching.py), whose work its counts hold an equal share of.
+    mean_batch_size: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -94,6 +94,26 @@ def _name_os_thread(name: str) -> None:
         pass
 
 
+def start_generation_thread(target: Callable[[], None], threads: int | None = None, *,
+                            name: str = "prunewatch-step") -> threading.Thread:
+    """Run `target` on a new daemon thread configured as a generation thread (`threads` intra-op threads, default
+    torch's; the OS thread named): for a loop that lives as long as the process, which a pool would wait for at
+    exit."""
+    count = threads if threads is not None else default_threads(1)
+    if count < 1:
+        raise ValueError(f"threads must be >= 1, got {count}")
+
+    def run() -> None:
+        torch.set_num_threads(count)
+        _name_os_thread(name.replace("prunewatch-", "pw-"))
+        logger.debug("%s started with %d intra-op threads", name, count)
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class GenerationThreads:
     """`workers` long-lived threads that run generations, each with `threads` intra-op threads set at its start.
 

@@ -49,10 +49,13 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
                        "the API accepts every request")
     metrics = ServerMetrics(engine.name, registry)
     metrics.set_queue_limit(settings.queue_depth)
+    # With more than one worker the requests' threads only detokenize and stream (one intra-op thread each): every
+    # forward pass runs on the batcher's stepper, which holds the cores.
+    batcher = engine.new_batcher(settings.workers) if settings.workers > 1 else None
     queue = AdmissionQueue(settings.queue_depth, settings.workers, on_change=metrics.set_in_queue,
-                           threads=engine.settings.threads)
+                           threads=1 if batcher is not None else engine.settings.threads)
     policy = PruningPolicy()  # per-domain defaults for requests without X-Pruning-Sensitivity (prunewatch/server/policy.py)
-    service = CompletionService(engine, settings, queue, metrics, policy=policy)
+    service = CompletionService(engine, settings, queue, metrics, policy=policy, batcher=batcher)
     app = FastAPI(
         title="prunewatch engine API",
         version="1",
@@ -80,6 +83,9 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Stop the admission queue's generation threads when the server shuts down."""
+    """Stop the admission queue's generation threads and the batcher when the server shuts down."""
     yield
     state.queue(app).close()
+    batcher = app.state.service.batcher
+    if batcher is not None:
+        batcher.close()

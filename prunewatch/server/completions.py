@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from jinja2 import TemplateError
 
@@ -44,6 +44,9 @@ from prunewatch.server.schemas import (
     PruningOverrides,
 )
 from prunewatch.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from prunewatch.engine.batching import DecodeBatcher
 
 logger = logging.getLogger("prunewatch.server")
 
@@ -155,8 +158,10 @@ class CompletionService:
     """The request path between the HTTP routes and the engine."""
 
     def __init__(self, engine: PruningEngine, settings: ServerSettings, queue: AdmissionQueue,
-                 metrics: ServerMetrics, policy: PruningPolicy | None = None) -> None:
+                 metrics: ServerMetrics, policy: PruningPolicy | None = None,
+                 batcher: DecodeBatcher | None = None) -> None:
         self.engine = engine
+        self.batcher = batcher  # requests decode together through it (ServerSettings.workers > 1)
         self.policy = policy  # per-domain default sensitivity for requests that set none
         self.settings = settings
         self.queue = queue
@@ -245,7 +250,7 @@ class CompletionService:
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
 
     def start(self, slot: Slot, spec: GenerationSpec) -> GenerationJob[TokenDelta | GenerationResult]:
-        engine, policy = self.engine, self.policy
+        engine, policy, batcher = self.engine, self.policy, self.batcher
 
         def run() -> Iterator[TokenDelta | GenerationResult]:
             # The policy's domain match reads the prompt's embeddings: tensor work, so it runs here, on the
@@ -264,6 +269,7 @@ class CompletionService:
                 stop=spec.stop,
                 logprobs=spec.logprobs,
                 echo=spec.echo,
+                batcher=batcher,
             )
 
         return self.queue.start(slot, run)

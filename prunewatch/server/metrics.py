@@ -55,6 +55,10 @@ class ServerMetrics:
             check_metric_name("prunewatch_dense_flops"),
             "Linear-layer FLOPs the dense model would have executed for the same tokens.",
             ["model", "domain"], registry=r)
+        self.decode_batch_size = Histogram(
+            check_metric_name("prunewatch_decode_batch_size"),
+            "Rows per decode step a generation ran in, on average over its steps (1: alone).", ["model"],
+            buckets=(1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self._in_queue = self.in_queue.labels(model)
 
     def set_queue_limit(self, depth: int) -> None:
@@ -79,6 +83,7 @@ class ServerMetrics:
         model, domain = self.model, stats.domain or NO_DOMAIN
         self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
         self.completion_tokens.labels(model).inc(stats.completion_tokens)
+        self.decode_batch_size.labels(model).observe(stats.mean_batch_size)
         self.executed_flops.labels(model, domain).inc(stats.executed_flops)
         self.dense_flops.labels(model, domain).inc(stats.dense_flops)
         live = Probe(id=LIVE_PROBE, domain=domain, version=0, max_tokens=stats.completion_tokens, system="", prompt="")

@@ -248,6 +248,9 @@ class PrunewatchStats(BaseModel):
     heads_gated: int
     sparsity: float = Field(description="Activation sparsity of the linear inputs (0 until the engine zeroes any).")
     total_tokens: int
+    mean_batch_size: float = Field(
+        1.0, description="Rows per decode step the request ran in: 1 alone; more when it shared steps with other "
+                         "requests, whose counted work it holds an equal share of.")
     domain: str | None = Field(description="Calibrated domain the prompt matched; null when it ran dense.")
     domain_confidence: float
     fallback_reason: str | None = Field(description="Why it ran dense although sensitivity > 0 (e.g. uncalibrated).")

@@ -31,10 +31,11 @@ class ServerSettings(BaseSettings):
         description="Requests admitted at once, waiting plus running; past it the server answers 429 + Retry-After.",
     )
     workers: int = Field(
-        1, ge=1, le=64,
+        8, ge=1, le=64,
         description=(
-            "Generations that run at the same time. One serialises CPU inference, which is fastest on a "
-            "CPU (a second stream only competes for the same cores); raise it on a GPU."
+            "Generations decoded together: up to this many requests share each decode step (continuous batching, "
+            "prunewatch/engine/batching.py), which reads the weights once for all of them; the rest wait in the "
+            "queue. 1 runs one generation at a time, without the batcher."
         ),
     )
     max_prompt_tokens: int = Field(

@@ -131,14 +131,24 @@ class RecordingEngine(FakeEngine):
     def __init__(self, threads: int) -> None:
         self.settings = SimpleNamespace(threads=threads)
         self.ran: list[tuple[str, int]] = []
+        self.batchers: list = []
+
+    def new_batcher(self, max_batch: int, threads: int | None = None):
+        batcher = super().new_batcher(max_batch, threads)
+        self.batchers.append(batcher)
+        return batcher
 
     def stream(self, *args, **kwargs):
         self.ran.append((threading.current_thread().name, torch.get_num_threads()))
         yield from super().stream(*args, **kwargs)
 
 
-@pytest.mark.parametrize("workers, threads", [(1, 2), (2, 1)])
-def test_the_server_generates_on_its_configured_generation_threads(workers: int, threads: int) -> None:
+@pytest.mark.parametrize("workers, threads, request_threads", [(1, 2, 2), (2, 2, 1), (8, 1, 1)])
+def test_the_server_generates_on_its_configured_generation_threads(workers: int, threads: int,
+                                                                    request_threads: int) -> None:
+    """One worker: the request's generation thread runs the forward passes with the engine's threads. More: the
+    batcher's stepper runs them (tests/engine/test_batching.py checks its threads), and each request's thread only
+    detokenizes and streams, on one intra-op thread."""
     engine = RecordingEngine(threads)
     app = create_app(engine, ServerSettings(workers=workers))  # type: ignore[arg-type]
     body = {"model": engine.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -146,7 +156,8 @@ def test_the_server_generates_on_its_configured_generation_threads(workers: int,
         for _ in range(2):
             assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
     assert len(engine.ran) == 2
-    assert all(name.startswith("prunewatch-generate_") and count == threads for name, count in engine.ran)
+    assert all(name.startswith("prunewatch-generate_") and count == request_threads for name, count in engine.ran)
+    assert [b.max_batch for b in engine.batchers] == ([workers] if workers > 1 else [])
 
 
 @linux_openmp

@@ -46,7 +46,7 @@ from prunewatch.server.settings import ServerSettings
 def test_settings_defaults_and_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PRUNEWATCH_API_KEYS", raising=False)
     settings = ServerSettings()
-    assert (settings.host, settings.port, settings.queue_depth, settings.workers) == ("127.0.0.1", 8000, 64, 1)
+    assert (settings.host, settings.port, settings.queue_depth, settings.workers) == ("127.0.0.1", 8000, 64, 8)
     assert settings.api_keys == ()
     with pytest.raises(ValidationError, match="queue_depth"):
         ServerSettings(queue_depth=0)

@@ -175,7 +175,7 @@ class SparseLinear(LinearWrapper):
             target = self.target_under(plan)
             self._last_target = (plan, target)  # holds the plan, so `is` can never match a reused id
         if target <= 0.0:
-            return self._quantized_dense(x, ledger) if self.quantized else self._dense(x)
+            return self._quantized_dense(x, ledger) if self.quantized or plan.row_invariant else self._dense(x)
         in_features = self.in_features
         rows = x.numel() // in_features
         dense_flops = self._dense_flops_per_row * rows
@@ -221,9 +221,10 @@ class SparseLinear(LinearWrapper):
         return F.linear(x, linear.weight, linear.bias)
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
-        """The dense product of int8 weights: the kernel reading every row when the call has few rows
-        (the block counted the fp32 bytes; the call read the int8 rows and their scales), else the
-        wrapped layer on the dequantized weights (a prefill: compute-bound, where BLAS is faster)."""
+        """The dense product through the kernel reading every row when the call has few rows (int8 / int4: the
+        block counted the fp32 bytes, the call read the quantized rows and their scales; fp32 under a row-invariant
+        plan: the same bytes), else the wrapped layer on the dequantized weights (a prefill: compute-bound, where
+        BLAS is faster)."""
         rows = x.numel() // self.in_features
         if rows > self.max_kernel_rows:
             return self._dense(x)

@@ -100,7 +100,7 @@ class ShortlistHead(LinearWrapper):
             return self._compiled(x)
         execution = current_execution()
         if execution is None or execution[0].output_head_sparsity <= 0.0:
-            if self.quantized and execution is not None:
+            if execution is not None and (self.quantized or execution[0].row_invariant):
                 return self._quantized_dense(x, execution[1])
             return self.linear(x)  # the head's counting hook sees a dense call
         plan, ledger = execution
@@ -140,7 +140,8 @@ class ShortlistHead(LinearWrapper):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
-        """The dense head on int8 weights: the kernel reading every input row when the call has few rows,
+        """The dense head on int8 weights (or fp32 under a row-invariant plan): the kernel reading every input row
+        when the call has few rows,
         counted here as the dense work it is (the counting hook fires on the wrapped layer's calls only);
         the wrapped fp32 layer otherwise (many rows: compute-bound, BLAS is faster)."""
         flat = x.reshape(-1, self.in_features)

@@ -1,0 +1,345 @@
+"""Continuous batching: concurrent requests share decode steps, each keeping its own cache, plan and counts.
+
+Why: a decode step is memory-bound, so one step of b rows reads each weight once for b tokens. Requests keep
+their own generator on their own thread (streaming, stop sequences, logprobs and stats are untouched); only the
+forward passes move to one stepper thread, which holds the cores:
+- a request's prefill runs there alone, in chunks of `prefill_chunk` tokens taken in turn with decode steps, so
+  a long prompt does not stall the requests already decoding;
+- its decode steps wait at a rendezvous: the stepper runs one forward pass for every request whose next token is
+  due (it waits up to `gather_s` for the requests still detokenizing their last one), at most `max_batch` rows;
+  a request joins at the step after its prefill and leaves when its generator closes (end, stop, cancellation).
+
+Each request keeps its own DynamicCache: a batched step calls the model without a cache and the attention
+function registered here (`RAGGED_ATTENTION`) appends each row's key and value to that row's cache and attends
+over it alone, as the request would alone (no padding, no mask). Under `ExecutionPlan.row_invariant` the dense
+products of few rows run through the sparse kernel, whose per-row sums do not depend on the other rows, so a
+dense request decodes the same tokens alone or in any batch.
+
+A batch runs one plan, the members' common denominator (`batch_plan`): requests whose plans differ in what
+changes the KV cache's shape or content (bypassed blocks, gated heads, sparsity policy, family factors) never
+share a step; the others run each layer at the lowest activation-sparsity target among them (no request is
+pruned more than it asked), with the kernel reading the union of the rows' active channels, and the output-head
+shortlist only while it reads fewer bytes than the dense head (each row reads its own shortlist rows: b rows at
+sparsity s read b x (1 - s) of the head). The batch's counted work is split among its rows in equal shares (each
+row is one token; a shared weight read is paid 1/b by each), so the members' counts add up to what the step
+executed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
+from prunewatch.engine.threads import start_generation_thread
+
+logger = logging.getLogger("prunewatch.engine")
+
+T = TypeVar("T")
+
+RAGGED_ATTENTION = "prunewatch_ragged"
+# ExecutionLedger fields that add up over calls: a batch's totals are split among its rows.
+_ADDITIVE = ("executed_flops", "dense_flops", "weight_bytes_read", "kv_bytes_read", "sparse_dense_flops",
+             "sparse_executed_flops", "sparse_input_entries", "sparse_kept_entries")
+
+
+class BatcherClosedError(RuntimeError):
+    """The batcher stopped (the server is shutting down) while a request waited for a forward pass."""
+
+
+@dataclass
+class RaggedStep:
+    """The per-row caches of one batched decode step, handed to the attention function through the model's
+    keyword arguments (transformers passes them down to every attention call)."""
+
+    caches: list[Any]  # one transformers DynamicCache per row
+
+
+def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, ragged_step: RaggedStep | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except in a batched decode step: there each row's new key and value go
+    into its own cache and the row attends over that cache alone, exactly as a batch of one would."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if ragged_step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layer: int = module.layer_idx  # type: ignore[assignment]  # every attention module of transformers 5 has it
+    outputs = []
+    for row, cache in enumerate(ragged_step.caches):
+        row_key, row_value = cache.update(key[row:row + 1], value[row:row + 1], layer)
+        output, _ = sdpa_attention_forward(module, query[row:row + 1], row_key, row_value, None, **kwargs)
+        outputs.append(output)
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
+
+
+def install_ragged_attention(model: torch.nn.Module) -> None:
+    """Register the ragged attention (with SDPA's masks for every call that is not a batched step) and make it
+    the model's attention implementation."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+    AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+    config: Any = model.config
+    config._attn_implementation = RAGGED_ATTENTION
+
+
+def batch_key(plan: ExecutionPlan) -> tuple:
+    """What requests must agree on to share a step: everything that shapes the KV cache or a kernel's layout."""
+    return (plan.bypass, plan.gated_heads, plan.sparsity_policy, plan.family_scale, plan.output_head_candidates)
+
+
+def batch_plan(plans: list[ExecutionPlan], num_layers: int, sparse_rows: int = 1) -> ExecutionPlan:
+    """The plan a step of these rows runs (they share `batch_key`). Up to `sparse_rows` rows: per layer the lowest
+    activation-sparsity target among them, and the output-head shortlist only while its rows read fewer bytes than
+    the dense head; more rows: dense (the union of b rows' active channels keeps 1 - s^b of them, so a per-row
+    target s skips little once b > 1; the bypass and gated heads, fixed at the prefill, stay)."""
+    first = plans[0]
+    rows = len(plans)
+    if rows == 1 and sparse_rows >= 1:
+        return first
+    if rows > sparse_rows:
+        return replace(first, activation_sparsity=0.0, layer_sparsity=(), output_head_sparsity=0.0,
+                       output_head_row_kernel=False, row_invariant=True)
+    layers = tuple(min(p.sparsity_for(i) for p in plans) for i in range(num_layers))
+    head = min(p.output_head_sparsity for p in plans)
+    if rows * (1.0 - head) >= 1.0:
+        head = 0.0
+    return replace(first, activation_sparsity=0.0, layer_sparsity=layers, output_head_sparsity=head,
+                   output_head_row_kernel=False, row_invariant=True)
+
+
+def split_ledger(total: ExecutionLedger, ledgers: list[ExecutionLedger]) -> None:
+    """Add `total` (one batched step's counts) to the rows' ledgers in equal shares that add up exactly: row i gets
+    n // b, plus one of the n % b left over for the first rows. Block call counts go to every row whole."""
+    rows = len(ledgers)
+    for name in _ADDITIVE:
+        amount = int(getattr(total, name))
+        share, left = divmod(amount, rows)
+        for index, ledger in enumerate(ledgers):
+            setattr(ledger, name, getattr(ledger, name) + share + (1 if index < left else 0))
+    for ledger in ledgers:
+        for block, calls in total.block_calls.items():
+            ledger.block_calls[block] = ledger.block_calls.get(block, 0) + calls
+        for block, calls in total.block_bypasses.items():
+            ledger.block_bypasses[block] = ledger.block_bypasses.get(block, 0) + calls
+        ledger.batched_steps += 1
+        ledger.batch_rows += rows
+
+
+@dataclass
+class _Row:
+    """One request's next decode step, waiting for the stepper."""
+
+    sequence: BatchedSequence
+    token: int
+    position: int
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Job:
+    """Work that runs on the stepper alone (a prefill chunk, a quality pass), in its submitter's context."""
+
+    context: contextvars.Context
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class BatchedSequence:
+    """One request in the batcher: its plan, ledger and cache; `run` for its prefill, `step` per token."""
+
+    def __init__(self, batcher: DecodeBatcher, plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any) -> None:
+        self.batcher = batcher
+        self.plan = plan
+        self.ledger = ledger
+        self.cache = cache
+        self.key = batch_key(plan)
+        self.decoding = False  # joined the decode steps (after its prefill)
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the stepper, between decode steps, in this thread's context (its plan and ledger)."""
+        return self.batcher.run(fn)
+
+    def step(self, token: int, position: int) -> torch.Tensor:
+        """The logits (vocab,) after `token` at `position`, from a decode step shared with the other requests."""
+        return self.batcher._step(self, token, position)
+
+
+class DecodeBatcher:
+    """Runs every forward pass of the requests it holds on one stepper thread with `threads` intra-op threads,
+    decode steps batched up to `max_batch` rows."""
+
+    def __init__(self, instrumented: InstrumentedModel, max_batch: int, threads: int | None = None, *,
+                 gather_s: float = 0.05, prefill_chunk: int = 128, sparse_rows: int = 1) -> None:
+        if max_batch < 1 or prefill_chunk < 1 or gather_s < 0 or sparse_rows < 0:
+            raise ValueError(f"max_batch and prefill_chunk must be >= 1, gather_s and sparse_rows >= 0, got "
+                             f"{max_batch}, {prefill_chunk}, {gather_s}, {sparse_rows}")
+        self.instrumented = instrumented
+        self.max_batch = max_batch
+        self.gather_s = gather_s
+        self.prefill_chunk = prefill_chunk
+        self.sparse_rows = sparse_rows
+        self.batch_sizes: dict[int, int] = {}  # rows -> decode steps run with that many
+        install_ragged_attention(instrumented.model)
+        self._cond = threading.Condition()
+        self._rows: list[_Row] = []
+        self._jobs: deque[_Job] = deque()
+        self._decoding = 0  # sequences between their prefill and their end
+        self._closed = False
+        self.steps = 0  # batched decode steps run, and their rows: the mean batch size is rows / steps
+        self.step_rows = 0
+        self._stepper = start_generation_thread(self._loop, threads, name="prunewatch-step")
+
+    @property
+    def decoding(self) -> int:
+        """Requests between their prefill and their end: those a decode step waits for."""
+        return self._decoding
+
+    # -- request side ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def sequence(self, plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any) -> Iterator[BatchedSequence]:
+        """Hold one request in the batcher for the length of the block; it leaves the decode steps on exit."""
+        sequence = BatchedSequence(self, plan, ledger, cache)
+        try:
+            yield sequence
+        finally:
+            with self._cond:
+                if sequence.decoding:
+                    sequence.decoding = False
+                    self._decoding -= 1
+                self._cond.notify_all()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the stepper alone, in the caller's context; its exception is raised here."""
+        job = _Job(contextvars.copy_context(), fn)
+        with self._cond:
+            if self._closed:
+                raise BatcherClosedError("the decode batcher is closed")
+            self._jobs.append(job)
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _step(self, sequence: BatchedSequence, token: int, position: int) -> torch.Tensor:
+        row = _Row(sequence, token, position)
+        with self._cond:
+            if self._closed:
+                raise BatcherClosedError("the decode batcher is closed")
+            if not sequence.decoding:
+                sequence.decoding = True
+                self._decoding += 1
+            self._rows.append(row)
+            self._cond.notify_all()
+        row.done.wait()
+        if row.error is not None:
+            raise row.error
+        assert row.logits is not None
+        return row.logits
+
+    def close(self) -> None:
+        """Stop the stepper; requests waiting on it fail with BatcherClosedError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- stepper side ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        last_was_step = False
+        while True:
+            with self._cond:
+                while not self._closed and not self._rows and not self._jobs:
+                    self._cond.wait()
+                if self._closed:
+                    self._fail_waiting()
+                    return
+                if self._jobs and (not self._rows or last_was_step):
+                    work: _Job | list[_Row] = self._jobs.popleft()
+                else:
+                    self._gather()
+                    work = self._take_rows()
+            if isinstance(work, _Job):
+                self._run_job(work)
+                last_was_step = False
+            else:
+                self._run_rows(work)
+                last_was_step = True
+
+    def _gather(self) -> None:
+        """Wait (lock held) up to gather_s for every decoding request to have its next step due."""
+        deadline = time.monotonic() + self.gather_s
+        while not self._closed and len(self._rows) < min(self._decoding, self.max_batch):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._cond.wait(remaining)
+
+    def _take_rows(self) -> list[_Row]:
+        """The oldest due row and the rows that may share its step (same batch key), up to max_batch."""
+        key = self._rows[0].sequence.key
+        taken = [r for r in self._rows if r.sequence.key == key][:self.max_batch]
+        chosen = {id(r) for r in taken}
+        self._rows = [r for r in self._rows if id(r) not in chosen]
+        return taken
+
+    def _fail_waiting(self) -> None:
+        error = BatcherClosedError("the decode batcher closed while the request waited")
+        waiting: list[_Row | _Job] = [*self._rows, *self._jobs]
+        for item in waiting:
+            item.error = error
+            item.done.set()
+        self._rows, self._jobs = [], deque()
+
+    @staticmethod
+    def _run_job(job: _Job) -> None:
+        try:
+            job.result = job.context.run(job.fn)
+        except BaseException as exc:  # handed to the submitter, which raises it in its request
+            job.error = exc
+        finally:
+            job.done.set()
+
+    @torch.no_grad()
+    def _run_rows(self, rows: list[_Row]) -> None:
+        model: Any = self.instrumented.model
+        try:
+            plan = batch_plan([r.sequence.plan for r in rows], self.instrumented.num_layers, self.sparse_rows)
+            device = next(model.parameters()).device
+            input_ids = torch.tensor([[r.token] for r in rows], device=device)  # (B, 1)
+            positions = torch.tensor([[r.position] for r in rows], device=device)  # (B, 1)
+            no_mask = torch.ones((len(rows), 1, 1, 1), dtype=torch.bool, device=device)  # 4D: taken as prepared
+            total = ExecutionLedger()
+            with executing(plan, total):
+                out = model(input_ids=input_ids, position_ids=positions, attention_mask=no_mask, use_cache=False,
+                            logits_to_keep=1, ragged_step=RaggedStep([r.sequence.cache for r in rows]))
+            split_ledger(total, [r.sequence.ledger for r in rows])
+            logits = out.logits[:, -1]  # (B, V)
+            self.steps += 1
+            self.step_rows += len(rows)
+            self.batch_sizes[len(rows)] = self.batch_sizes.get(len(rows), 0) + 1
+            for index, row in enumerate(rows):
+                row.logits = logits[index]
+        except BaseException as exc:  # every row of the step fails with it
+            logger.exception("batched decode step of %d rows failed", len(rows))
+            for row in rows:
+                row.error = exc
+        finally:
+            for row in rows:
+                row.done.set()
+

@@ -1,0 +1,235 @@
+"""Continuous batching (prunewatch.engine.batching): requests share decode steps and keep their own answers,
+stops and counts; no timings asserted."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from prunewatch.engine import batching
+from prunewatch.engine.batching import DecodeBatcher, batch_key, batch_plan, split_ledger
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan
+from prunewatch.engine.pruning_engine import PruningEngine
+from prunewatch.engine.stats import GenerationResult
+from prunewatch.server.app import create_app
+from prunewatch.server.run import serve_in_background
+from prunewatch.server.settings import ServerSettings
+from tests.conftest import load_probe_engine
+
+PROMPTS = ["Explain how a CPU cache works.", "What is a contract?", "Describe bond yields in simple words.",
+           "Write a haiku about the sea.", "List three uses of Python.", "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module")
+def engine(probe_model_dir: Path, calibration_dir: Path) -> PruningEngine:
+    """The probe model with the engine's default pruning (activation sparsity and the output-head shortlist)."""
+    return load_probe_engine(probe_model_dir, calibration_dir)
+
+
+@pytest.fixture()
+def batcher(engine: PruningEngine) -> Iterator[DecodeBatcher]:
+    batcher = engine.new_batcher(8, threads=2)
+    yield batcher
+    batcher.close()
+
+
+def generate_together(engine: PruningEngine, batcher: DecodeBatcher, requests: list[dict]) -> list[GenerationResult]:
+    """Each request on its own thread (one intra-op thread, as the server's), all through `batcher`."""
+    results: list[GenerationResult | BaseException | None] = [None] * len(requests)
+
+    def run(index: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            results[index] = engine.generate(batcher=batcher, **requests[index])
+        except BaseException as exc:  # raised below, in the test
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return [r for r in results if isinstance(r, GenerationResult)]
+
+
+def test_dense_requests_decode_the_tokens_they_get_alone_in_any_batch(engine: PruningEngine,
+                                                                      batcher: DecodeBatcher) -> None:
+    requests = [{"prompt": p, "max_new_tokens": 8 + 3 * i, "sensitivity": 0.0} for i, p in enumerate(PROMPTS)]
+    alone = [engine.generate(batcher=batcher, **r).token_ids for r in requests]
+    assert set(batcher.batch_sizes) == {1}
+    together = generate_together(engine, batcher, requests)
+    assert [r.token_ids for r in together] == alone
+    assert max(batcher.batch_sizes) >= 3, batcher.batch_sizes  # they did share steps
+    shared = [r.stats for r in together]
+    assert all(s.mean_batch_size > 1.0 for s in shared)
+    assert batcher.decoding == 0
+
+
+def test_a_request_joins_and_leaves_mid_stream_without_changing_the_others(engine: PruningEngine,
+                                                                            batcher: DecodeBatcher) -> None:
+    long = {"prompt": PROMPTS[0], "max_new_tokens": 24, "sensitivity": 0.0}
+    short = {"prompt": PROMPTS[1], "max_new_tokens": 4, "sensitivity": 0.0}
+    alone_long = engine.generate(batcher=batcher, **long).token_ids
+    alone_short = engine.generate(batcher=batcher, **short).token_ids
+    before = dict(batcher.batch_sizes)
+    decoding = threading.Event()
+    items: list = []
+
+    def consume_long() -> None:  # on its own thread, as a served request's generator runs
+        torch.set_num_threads(1)
+        for item in engine.stream(batcher=batcher, **long):
+            items.append(item)
+            if len(items) == 4:
+                decoding.set()  # the long request is decoding when the short one arrives
+
+    consumer = threading.Thread(target=consume_long)
+    consumer.start()
+    assert decoding.wait(60)
+    [short_result] = generate_together(engine, batcher, [short])
+    consumer.join(120)
+    result = items[-1]
+    assert isinstance(result, GenerationResult)
+    assert result.token_ids == alone_long
+    assert short_result.token_ids == alone_short
+    during = {rows: count - before.get(rows, 0) for rows, count in batcher.batch_sizes.items()}
+    assert during.get(2, 0) >= 1 and during.get(1, 0) >= 1  # shared steps, and steps alone before and after
+
+
+def test_one_requests_stop_sequence_does_not_end_another(engine: PruningEngine, batcher: DecodeBatcher) -> None:
+    plain = {"prompt": PROMPTS[2], "max_new_tokens": 12, "sensitivity": 0.0}
+    alone = engine.generate(batcher=batcher, **plain)
+    first_piece = alone.text[2:4]
+    assert first_piece, "the answer must be long enough to stop inside"
+    stopped_request = {**plain, "prompt": PROMPTS[2], "stop": [first_piece]}
+    stopped, other = generate_together(engine, batcher, [stopped_request, {**plain, "prompt": PROMPTS[3]}])
+    assert stopped.stats.finish_reason == "stop"
+    assert other.stats.finish_reason == "length"
+    assert other.token_ids == engine.generate(batcher=batcher, **{**plain, "prompt": PROMPTS[3]}).token_ids
+
+
+def test_each_request_counts_its_own_rows_and_the_shares_add_up(engine: PruningEngine, batcher: DecodeBatcher,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [engine.render_prompt(p) for p in PROMPTS[:4]]
+    plans = [ExecutionPlan(), *(engine.execution_plan(i, s, []) for i, s in zip(ids[1:], (0.5, 0.5, 1.0)))]
+    alone = [engine.measure_decode(i, plan, 10, batcher=batcher) for i, plan in zip(ids, plans)]
+    steps: list[ExecutionLedger] = []  # every decode step's counts, as the stepper counted them
+    split = batching.split_ledger
+
+    def counting_split(total: ExecutionLedger, ledgers: list[ExecutionLedger]) -> None:
+        steps.append(total)
+        split(total, ledgers)
+
+    monkeypatch.setattr(batching, "split_ledger", counting_split)
+    together: list = [None] * 4
+
+    def run(index: int) -> None:
+        torch.set_num_threads(1)
+        together[index] = engine.measure_decode(ids[index], plans[index], 10, batcher=batcher)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    ledgers = [m.ledger for m in together]
+    assert max(ledger.mean_batch_size for ledger in ledgers) > 1.0
+    # the requests' decode counts are the steps' counts split: nothing lost, nothing counted twice
+    for name in ("executed_flops", "dense_flops", "sparse_executed_flops", "sparse_dense_flops"):
+        decode = sum(getattr(ledger, name) - (getattr(ledger, "prefill_" + name) or 0) for ledger in ledgers)
+        assert decode == sum(getattr(step, name) for step in steps), name
+    assert sum(step.dense_flops for step in steps) > 0
+    for solo, shared in zip(alone, together):
+        # every token's dense cost is the same whoever shares its step; what ran is at most that
+        assert shared.ledger.dense_flops == solo.ledger.dense_flops
+        assert 0 <= shared.ledger.executed_flops <= shared.ledger.dense_flops
+
+
+def test_split_ledger_gives_equal_shares_that_add_up_exactly() -> None:
+    total = ExecutionLedger(executed_flops=1001, dense_flops=3000, weight_bytes_read=7, sparse_dense_flops=10,
+                            sparse_executed_flops=5, sparse_input_entries=9, sparse_kept_entries=4,
+                            block_calls={0: 1, 1: 1}, block_bypasses={2: 1})
+    rows = [ExecutionLedger(executed_flops=5) for _ in range(3)]
+    split_ledger(total, rows)
+    assert [r.executed_flops for r in rows] == [5 + 334, 5 + 334, 5 + 333]
+    assert [r.dense_flops for r in rows] == [1000, 1000, 1000]
+    assert [r.weight_bytes_read for r in rows] == [3, 2, 2]
+    assert sum(r.sparse_kept_entries for r in rows) == 4
+    assert all(r.block_calls == {0: 1, 1: 1} and r.block_bypasses == {2: 1} for r in rows)
+    assert [(r.batched_steps, r.batch_rows, r.mean_batch_size) for r in rows] == [(1, 3, 3.0)] * 3
+
+
+def test_the_batch_plan_prunes_no_request_more_than_it_asked() -> None:
+    a = ExecutionPlan(layer_sparsity=(0.4, 0.0, 0.5), output_head_sparsity=0.6)
+    b = ExecutionPlan(layer_sparsity=(0.3, 0.2, 0.5), output_head_sparsity=0.7)
+    assert batch_plan([a], 3, sparse_rows=1) is a
+    both = batch_plan([a, b], 3, sparse_rows=2)
+    assert both.layer_sparsity == (0.3, 0.0, 0.5) and both.row_invariant
+    assert both.output_head_sparsity == 0.6  # 2 rows x 0.4 of the head: still fewer bytes than the dense head
+    assert batch_plan([a, b, a], 3, sparse_rows=4).output_head_sparsity == 0.0  # 3 x 0.4 >= 1: dense head
+    dense = batch_plan([a, b], 3, sparse_rows=1)  # more rows than sparse_rows: dense
+    assert not dense.skips_work and dense.row_invariant
+    bypassing = replace(a, bypass=frozenset({1}))
+    assert batch_key(bypassing) != batch_key(a)  # a bypassed block's cache is absent: never in one step
+    assert batch_plan([bypassing, bypassing], 3, sparse_rows=1).bypass == frozenset({1})
+
+
+def test_closing_a_stream_frees_its_place_in_the_steps(engine: PruningEngine, batcher: DecodeBatcher) -> None:
+    stream = engine.stream(PROMPTS[0], max_new_tokens=20, sensitivity=0.0, batcher=batcher)
+    next(stream), next(stream)
+    assert batcher.decoding == 1
+    stream.close()  # as the server does when the client goes away
+    assert batcher.decoding == 0
+    result = engine.generate(PROMPTS[1], max_new_tokens=3, sensitivity=0.0, batcher=batcher)
+    assert len(result.token_ids) == 3
+
+
+def test_the_stepper_runs_forward_passes_on_its_configured_threads(engine: PruningEngine) -> None:
+    batcher = engine.new_batcher(4, threads=1)
+    try:
+        name, threads = batcher.run(lambda: (threading.current_thread().name, torch.get_num_threads()))
+    finally:
+        batcher.close()
+    assert (name, threads) == ("prunewatch-step", 1)
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.run(lambda: None)
+    with pytest.raises(ValueError):
+        engine.new_batcher(0)
+
+
+def test_served_concurrent_dense_requests_answer_as_they_do_alone(engine: PruningEngine) -> None:
+    """Through `serve` with four workers (a batch limit of four): four concurrent clients at sensitivity 0 get the
+    answers each gets alone from the same server."""
+    app = create_app(engine, ServerSettings(workers=4, max_tokens_limit=32), registry=CollectorRegistry())
+    headers = {"X-Pruning-Sensitivity": "0"}
+
+    def ask(client: httpx.Client, prompt: str) -> str:
+        response = client.post("/v1/completions", headers=headers, json={
+            "model": engine.name, "prompt": prompt, "max_tokens": 12})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    with serve_in_background(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        alone = [ask(client, p) for p in PROMPTS[:4]]
+        answers: list[str] = [""] * 4
+
+        def run(index: int) -> None:
+            answers[index] = ask(client, PROMPTS[index])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert answers == alone
+    batcher = app.state.service.batcher
+    assert batcher is not None and max(batcher.batch_sizes) >= 2
