@@ -201,8 +201,8 @@ def serve_command(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = DEFAULT_DEVICE,
     queue_depth: Annotated[int | None, typer.Option(help="Requests waiting + running before 429 (default 64).")] = None,
     workers: Annotated[int | None, typer.Option(help="Requests decoded together, sharing each decode step (default 8; 1: one at a time).")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of each generation (default: the cores shared among "
-                                                  "the workers). (env PRUNEWATCH_ENGINE_THREADS)")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads of the forward passes (default: the cores). "
+                                                  "(env PRUNEWATCH_ENGINE_THREADS)")] = None,
     probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,
     weights: Annotated[str | None, typer.Option(help="fp32, int8 (one scale per output channel; a quarter of the "
                                                   "bytes per decode step) or int4 (groups of 32 with a scale and "
@@ -285,6 +285,16 @@ def bench_load_command(ctx: typer.Context) -> None:
     in one run: aggregate tokens/s, p50/p99 time per output token and to first token; --peer llama.cpp
     llama-server -np N beside it."""
     from prunewatch.bench.load import main as bench_main
+
+    _run_bench(bench_main, list(ctx.args))
+
+
+@bench_app.command("batch-sparsity", context_settings=_BENCH_ARGS, add_help_option=False)
+def bench_batch_sparsity_command(ctx: typer.Context) -> None:
+    """What activation sparsity keeps in a batch: b = 1, 2, 4, 8 requests decoding together, dense, with the
+    pruning kept in batched steps (the union of their active channels) and under serve's policy: aggregate
+    tokens/s and decode pruning ratio, in one run."""
+    from prunewatch.bench.batch_sparsity import main as bench_main
 
     _run_bench(bench_main, list(ctx.args))
 

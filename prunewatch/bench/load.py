@@ -62,6 +62,7 @@ METHOD = {
     "default_vs_dense": "measured: default's aggregate_tokens_per_s over dense's at the same clients, same run",
     "mean_decode_pruning_ratio": "measured by the server: decode_pruning_ratio of its final chunks (finished "
                                  "requests)",
+    "mean_batch_size": "measured by the server: mean over finished requests of the rows per decode step each ran in",
 }
 
 
@@ -76,6 +77,7 @@ class StreamedRequest:
     finished: bool = False  # the stream ended with its final chunk ([DONE]); False: cut, failed or queued
     error: str | None = None
     decode_pruning_ratio: float | None = None
+    mean_batch_size: float | None = None  # rows per decode step the server ran it in (prunewatch serve only)
 
     def ttft_s(self) -> float | None:
         return self.arrivals[0] - self.sent if self.arrivals else None
@@ -108,6 +110,7 @@ def summarise(requests: list[StreamedRequest], window: tuple[float, float], clie
     ttfts = [a[0] - r.sent for r, a in zip(requests, inside, strict=True) if a]
     errors = Counter(r.error.split(":")[0] for r in requests if r.error)
     ratios = [r.decode_pruning_ratio for r in requests if r.decode_pruning_ratio is not None]
+    batches = [r.mean_batch_size for r in requests if r.mean_batch_size is not None]
     return {
         "clients": clients,
         "window_s": round(seconds, 3),
@@ -124,6 +127,7 @@ def summarise(requests: list[StreamedRequest], window: tuple[float, float], clie
         "ttft_p50_ms": _ms(nearest_rank(ttfts, 0.50)),
         "ttft_p99_ms": _ms(nearest_rank(ttfts, 0.99)),
         "mean_decode_pruning_ratio": round(statistics.fmean(ratios), 4) if ratios else None,
+        "mean_batch_size": round(statistics.fmean(batches), 2) if batches else None,
     }
 
 
@@ -154,6 +158,7 @@ async def _stream(http: httpx.AsyncClient, body: dict[str, Any], headers: dict[s
                 stats = event.get("prunewatch")
                 if stats:
                     record.decode_pruning_ratio = stats.get("decode_pruning_ratio")
+                    record.mean_batch_size = stats.get("mean_batch_size")
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
 
@@ -297,16 +302,18 @@ def run(model_dir: Path, *, levels: tuple[int, ...], window_s: float, max_tokens
 
 def format_table(result: dict[str, Any]) -> str:
     lines = ["| server | clients | aggregate tok/s | x 1 client | per client tok/s | TPOT p50 / p99 ms | "
-             "TTFT p50 / p99 ms | default / dense |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "TTFT p50 / p99 ms | default / dense | rows per step | decode ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in result["series"].items():
         for row in rows:
             ratio = row.get("default_vs_dense")
+            batch, pruned = row.get("mean_batch_size"), row.get("mean_decode_pruning_ratio")
             lines.append(
                 f"| {name} | {row['clients']} | {row['aggregate_tokens_per_s']:.1f} | "
                 f"{row['scaling_vs_1_client']:.2f}x | {row['per_client_tokens_per_s']:.1f} | "
                 f"{row['tpot_p50_ms']} / {row['tpot_p99_ms']} | {row['ttft_p50_ms']} / {row['ttft_p99_ms']} | "
-                f"{f'{ratio:.2f}x' if ratio is not None else ''} |")
+                f"{f'{ratio:.2f}x' if ratio is not None else ''} | {'' if batch is None else f'{batch:.2f}'} | "
+                f"{'' if pruned is None else f'{pruned:.3f}'} |")
     return "\n".join(lines)
 
 

@@ -180,9 +180,9 @@ class EngineSettings(BaseSettings):
     threads: int | None = Field(
         None, ge=1, le=1024,
         description=(
-            "CPU threads of one generation: torch's intra-op threads on the long-lived thread it runs on "
-            "(prunewatch/engine/threads.py), set when that thread starts. Default: the cores torch uses, shared among "
-            "the server's workers. Generations never run on the thread that loaded the model, whose OpenMP team is "
+            "CPU threads of the forward passes: torch's intra-op threads on the long-lived thread they run on "
+            "(prunewatch/engine/threads.py: a server's batcher stepper, or with one worker its generation thread), set "
+            "when that thread starts. Default: the cores torch uses. Generations never run on the thread that loaded the model, whose OpenMP team is "
             "released first: two teams on two cores make GNU OpenMP sleep and wake its threads at every parallel "
             "region of every decode step (prunewatch/engine/threads.py says how)."),
     )

@@ -72,8 +72,9 @@ def serve(model_dir: Path, host: str = "127.0.0.1", port: int = 8000, sensitivit
           weights: WeightFormat | None = None) -> None:
     """Serve `model_dir` on host:port until interrupted (both serve commands, through prunewatch/commands/serve.py).
     `listener`: the socket `bind_listener(host, port)` bound already (the command binds before it resolves the
-    model). `threads`: CPU threads of each generation (default PRUNEWATCH_ENGINE_THREADS, else the cores shared
-    among the workers). `weights`: fp32 or int8 (default PRUNEWATCH_ENGINE_WEIGHTS, else fp32).
+    model). `threads`: CPU threads of the forward passes (default PRUNEWATCH_ENGINE_THREADS, else the cores): the
+    batcher's stepper's, or with one worker the generation thread's. `weights`: fp32 or int8 (default
+    PRUNEWATCH_ENGINE_WEIGHTS, else fp32).
 
     Everything not passed here comes from ServerSettings (PRUNEWATCH_SERVER_* variables, and
     PRUNEWATCH_API_KEYS / PRUNEWATCH_API_KEYS_FILE for auth).
