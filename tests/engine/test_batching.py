@@ -233,3 +233,27 @@ def test_served_concurrent_dense_requests_answer_as_they_do_alone(engine: Prunin
     assert answers == alone
     batcher = app.state.service.batcher
     assert batcher is not None and max(batcher.batch_sizes) >= 2
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_place_in_the_steps(engine: PruningEngine) -> None:
+    app = create_app(engine, ServerSettings(workers=4, max_tokens_limit=480), registry=CollectorRegistry())
+    body = {"model": engine.name, "prompt": PROMPTS[0], "max_tokens": 480, "stream": True}
+    headers = {"X-Pruning-Sensitivity": "0"}
+    with serve_in_background(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break  # the client goes away with the answer unfinished
+        batcher = app.state.service.batcher
+        queue = app.state.queue
+        for _ in range(600):  # the server notices at its next token
+            if batcher.decoding == 0 and queue.in_flight == 0:
+                break
+            threading.Event().wait(0.05)
+        assert (batcher.decoding, queue.in_flight) == (0, 0)
+        assert sum(batcher.batch_sizes.values()) < 479  # it stopped decoding before its length
+        answer = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3}, headers=headers)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
