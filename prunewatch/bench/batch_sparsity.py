@@ -11,6 +11,10 @@ alternating from level to level:
 Per level and way: aggregate decode tokens/s over the b requests (wall clock from the first request's start to
 the last one's end, prefills included) and the requests' mean decode pruning ratio (the engine's own count).
 Union against dense is what pruning is worth at batch b; the policy line is what `serve` does.
+
+Then the quality `serve` delivers at the default: every held-out evaluation prompt answered alone, and `--quality-batch`
+at a time through the same policy, each answer scored by the dense model (reference-scored agreement, pooled over
+answer tokens, with its 95% bootstrap interval over prompts).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ METHOD = {
                             "of their decode steps (a batched step's work split equally among its rows)",
     "mean_batch_size": "measured by the engine: mean over the requests of the rows per decode step they ran in",
     "vs_dense": "measured: aggregate_tokens_per_s over dense's at the same b, same run",
+    "agreement": "measured: share of the served answers' tokens that are the dense model's argmax given the answer "
+                 "so far (teacher-forced), pooled over the evaluation prompts; low/high: 95% bootstrap interval over "
+                 "prompts",
+    "changed_vs_alone": "measured: share of prompts whose served answer differs from the one served alone",
 }
 
 
@@ -93,8 +101,79 @@ def run_level(engine: Any, way: str, prompts: list[str], tokens: int, threads: i
     }
 
 
+def _serve_group(engine: Any, batcher: Any, group: list[Any], max_new_tokens: int) -> list[Any]:
+    """The default's answers to `group` (evaluation probes), generated together through `batcher`."""
+    results: list[Any] = [None] * len(group)
+
+    def serve(index: int) -> None:
+        torch.set_num_threads(1)
+        probe = group[index]
+        try:
+            results[index] = engine.generate(probe.prompt, system=probe.system or None, batcher=batcher,
+                                             max_new_tokens=min(probe.max_tokens, max_new_tokens))
+        except BaseException as exc:  # re-raised below, on the caller's thread
+            results[index] = exc
+
+    workers = [threading.Thread(target=serve, args=(i,)) for i in range(len(group))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def measure_quality(engine: Any, batch: int, max_new_tokens: int, probes: int | None,
+                    threads: int | None) -> list[dict[str, Any]]:
+    """Reference-scored agreement of the default's served answers, alone and `batch` at a time (serve's policy)."""
+    from tqdm import tqdm
+
+    from prunewatch.engine.quality import score_served
+    from prunewatch.probes import EVALUATION_PATH, load_probes
+    from prunewatch.records.intervals import bootstrap_share
+
+    chosen = list(load_probes(EVALUATION_PATH).probes)
+    chosen = chosen[:probes] if probes else chosen
+    answers: dict[int, list[Any]] = {}
+    with tqdm(total=2 * len(chosen), desc="batched quality", unit="answer", file=sys.stderr) as bar:
+        for size in (1, batch):
+            batcher = engine.new_batcher(max(8, size), threads)
+            try:
+                answers[size] = []
+                for start in range(0, len(chosen), size):
+                    answers[size].extend(_serve_group(engine, batcher, chosen[start:start + size], max_new_tokens))
+                    bar.update(len(chosen[start:start + size]))
+            finally:
+                batcher.close()
+    rows = []
+    for size, results in answers.items():
+        pairs = []
+        for probe, result in zip(chosen, results, strict=True):
+            ids = engine.render_prompt(probe.prompt, system=probe.system or None)
+            score = score_served(engine.loaded.model, ids, list(result.served_ids or []), engine.loaded.device)
+            if score is not None:
+                pairs.append((score.matches, score.tokens))
+        interval = bootstrap_share([m for m, _ in pairs], [t for _, t in pairs])
+        rows.append({
+            "batch": size,
+            "agreement": round(interval.estimate, 4) if interval else None,
+            "agreement_low": round(interval.low, 4) if interval else None,
+            "agreement_high": round(interval.high, 4) if interval else None,
+            "prompts": interval.prompts if interval else 0,
+            "answer_tokens": interval.tokens if interval else 0,
+            "decode_pruning_ratio": round(statistics.fmean(r.stats.decode_pruning_ratio for r in results), 4),
+            "mean_batch_size": round(statistics.fmean(r.stats.mean_batch_size for r in results), 2),
+            "changed_vs_alone": round(statistics.fmean(
+                a.token_ids != b.token_ids for a, b in zip(answers[1], results, strict=True)), 4),
+        })
+    return rows
+
+
 def measure(model_dir: Path, batches: list[int], tokens: int, threads: int | None,
-            calibration_dir: Path | None) -> dict[str, Any]:
+            calibration_dir: Path | None, quality_batch: int = 0, max_new_tokens: int = 64,
+            probes: int | None = None) -> dict[str, Any]:
     from prunewatch.engine.threads import release_openmp_team
     from prunewatch.server.run import build_engine
 
@@ -113,6 +192,12 @@ def measure(model_dir: Path, batches: list[int], tokens: int, threads: int | Non
             logger.info("b=%d %-6s %.1f tok/s (%.2fx dense) decode ratio %.3f, %.2f rows per step", batch, way,
                         row["aggregate_tokens_per_s"], row["vs_dense"], row["decode_pruning_ratio"],
                         row["mean_batch_size"])
+    quality = measure_quality(engine, quality_batch, max_new_tokens, probes, threads) if quality_batch > 1 else []
+    for row in quality:
+        logger.info("served %d at a time: agreement %.3f [%.3f, %.3f], decode ratio %.3f, %.2f rows per step, "
+                    "%.2f of answers changed", row["batch"], row["agreement"], row["agreement_low"],
+                    row["agreement_high"], row["decode_pruning_ratio"], row["mean_batch_size"],
+                    row["changed_vs_alone"])
     return {
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": invocation("batch-sparsity"),
@@ -125,6 +210,8 @@ def measure(model_dir: Path, batches: list[int], tokens: int, threads: int | Non
                  "policy": "default pruning, steps of more than one row dense (serve's policy)"},
         "method": METHOD,
         "rows": rows,
+        "max_new_tokens": max_new_tokens,
+        "quality": quality,
         "duration_s": round(time.perf_counter() - started, 1),
     }
 
@@ -135,6 +222,14 @@ def format_table(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         lines.append(f"| {row['batch']} | {row['way']} | {row['aggregate_tokens_per_s']:.1f} | {row['vs_dense']:.2f}x | "
                      f"{row['decode_pruning_ratio']:.3f} | {row['mean_batch_size']:.2f} |")
+    if result.get("quality"):
+        lines += ["", "| served at a time | agreement [95% CI] | prompts / tokens | decode pruning ratio | rows per step | "
+                      "answers changed vs alone |", "|---:|---:|---:|---:|---:|---:|"]
+        for row in result["quality"]:
+            lines.append(f"| {row['batch']} | {row['agreement']:.3f} [{row['agreement_low']:.3f}, "
+                         f"{row['agreement_high']:.3f}] | {row['prompts']} / {row['answer_tokens']} | "
+                         f"{row['decode_pruning_ratio']:.3f} | {row['mean_batch_size']:.2f} | "
+                         f"{row['changed_vs_alone']:.2f} |")
     return "\n".join(lines)
 
 
@@ -154,15 +249,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=_batches, default=[1, 2, 4, 8], help="batch sizes (default 1,2,4,8)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens each request decodes (default 32)")
     parser.add_argument("--threads", type=int, default=None, help="the stepper's intra-op threads (default: torch's)")
+    parser.add_argument("--quality-batch", type=int, default=4,
+                        help="serve the evaluation prompts alone and this many at a time, scored by the dense model "
+                             "(default 4; 0 skips)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in the quality part (default 64)")
+    parser.add_argument("--probes", type=int, default=None, help="first N evaluation prompts (default: all)")
     parser.add_argument("--calibration-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "batch-sparsity-cpu.json")
     args = parser.parse_args(argv)
     if args.tokens < 2:
         parser.error("--tokens must be at least 2")
+    if args.quality_batch < 0 or args.quality_batch == 1 or args.max_new_tokens < 1 or (
+            args.probes is not None and args.probes < 1):
+        parser.error("--quality-batch must be 0 or >= 2, --max-new-tokens and --probes >= 1")
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"no model at {args.model_dir} (run `prunewatch models pull`)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = measure(args.model_dir, args.batches, args.tokens, args.threads, args.calibration_dir)
+    result = measure(args.model_dir, args.batches, args.tokens, args.threads, args.calibration_dir,
+                     args.quality_batch, args.max_new_tokens, args.probes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(format_table(result))

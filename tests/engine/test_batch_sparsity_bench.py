@@ -15,6 +15,7 @@ def test_batch_sparsity_bench_reports_each_way_at_each_batch(probe_model_dir: Pa
                                                               tmp_path: Path) -> None:
     out = tmp_path / "batch.json"
     assert batch_sparsity.main(["--model-dir", str(probe_model_dir), "--batches", "1,3", "--tokens", "4",
+                                "--quality-batch", "3", "--probes", "4", "--max-new-tokens", "4",
                                 "--calibration-dir", str(calibration_dir), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("prunewatch bench batch-sparsity")
@@ -30,11 +31,19 @@ def test_batch_sparsity_bench_reports_each_way_at_each_batch(probe_model_dir: Pa
     assert rows[(1, "union")]["decode_pruning_ratio"] == rows[(1, "policy")]["decode_pruning_ratio"] > 0.0
     assert rows[(1, "dense")]["mean_batch_size"] == 1.0
     assert max(rows[(3, w)]["mean_batch_size"] for w in ("dense", "union", "policy")) > 1.0
-    assert batch_sparsity.format_table(result).count("\n") == 1 + len(result["rows"])
+    alone, together = result["quality"]
+    assert (alone["batch"], together["batch"]) == (1, 3)
+    for row in (alone, together):
+        assert row["prompts"] == 4 and row["answer_tokens"] > 0
+        assert 0.0 <= row["agreement_low"] <= row["agreement"] <= row["agreement_high"] <= 1.0
+    assert alone["changed_vs_alone"] == 0.0 and alone["mean_batch_size"] == 1.0
+    assert together["mean_batch_size"] > 1.0
+    table = batch_sparsity.format_table(result)
+    assert table.count("\n") == 1 + len(result["rows"]) + 3 + len(result["quality"])
 
 
 @pytest.mark.parametrize("argv", [["--batches", "0"], ["--batches", "two"], ["--tokens", "1"],
-                                  ["--model-dir", "/nonexistent"]])
+                                  ["--quality-batch", "1"], ["--probes", "0"], ["--model-dir", "/nonexistent"]])
 def test_batch_sparsity_bench_refuses_bad_arguments(argv: list[str], probe_model_dir: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         batch_sparsity.main(["--model-dir", str(probe_model_dir), *argv] if argv[0] != "--model-dir" else argv)
