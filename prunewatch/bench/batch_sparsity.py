@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
+from prunewatch.bench.mechanisms import interval_text
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 
 logger = logging.getLogger("prunewatch.bench.batch_sparsity")
@@ -226,8 +227,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines += ["", "| served at a time | agreement [95% CI] | prompts / tokens | decode pruning ratio | rows per step | "
                       "answers changed vs alone |", "|---:|---:|---:|---:|---:|---:|"]
         for row in result["quality"]:
-            lines.append(f"| {row['batch']} | {row['agreement']:.3f} [{row['agreement_low']:.3f}, "
-                         f"{row['agreement_high']:.3f}] | {row['prompts']} / {row['answer_tokens']} | "
+            agreement = interval_text(row["agreement"], row["agreement_low"], row["agreement_high"])
+            lines.append(f"| {row['batch']} | {agreement} | {row['prompts']} / {row['answer_tokens']} | "
                          f"{row['decode_pruning_ratio']:.3f} | {row['mean_batch_size']:.2f} | "
                          f"{row['changed_vs_alone']:.2f} |")
     return "\n".join(lines)

@@ -201,8 +201,6 @@ class DecodeBatcher:
         self._jobs: deque[_Job] = deque()
         self._decoding = 0  # sequences between their prefill and their end
         self._closed = False
-        self.steps = 0  # batched decode steps run, and their rows: the mean batch size is rows / steps
-        self.step_rows = 0
         self._stepper = start_generation_thread(self._loop, threads, name="prunewatch-step")
 
     @property
@@ -330,8 +328,6 @@ class DecodeBatcher:
                             logits_to_keep=1, ragged_step=RaggedStep([r.sequence.cache for r in rows]))
             split_ledger(total, [r.sequence.ledger for r in rows])
             logits = out.logits[:, -1]  # (B, V)
-            self.steps += 1
-            self.step_rows += len(rows)
             self.batch_sizes[len(rows)] = self.batch_sizes.get(len(rows), 0) + 1
             for index, row in enumerate(rows):
                 row.logits = logits[index]

@@ -141,9 +141,8 @@ class ShortlistHead(LinearWrapper):
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
         """The dense head on int8 weights (or fp32 under a row-invariant plan): the kernel reading every input row
-        when the call has few rows,
-        counted here as the dense work it is (the counting hook fires on the wrapped layer's calls only);
-        the wrapped fp32 layer otherwise (many rows: compute-bound, BLAS is faster)."""
+        when the call has few rows, counted here as the dense work it is (the counting hook fires on the wrapped
+        layer's calls only); the wrapped fp32 layer otherwise (many rows: compute-bound, BLAS is faster)."""
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         if rows > self.max_kernel_rows:
