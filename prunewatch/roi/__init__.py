@@ -1,4 +1,4 @@
-"""ROI: cost before and after pruning from measured probe data and labelled assumptions.
+"""ROI: cost before and after pruning from measured probe data, load runs and labelled assumptions.
 
 Imports nothing of the engine and no plotting or dataframe library: `prunewatch --help` loads it cheaply."""
 
@@ -10,11 +10,13 @@ from prunewatch.roi.calculator import calculate
 from prunewatch.roi.costs import Basis, RoiResult, compute
 from prunewatch.roi.errors import NoMeasurementsError, NoTrafficError, RoiError, RoiStoreError
 from prunewatch.roi.inputs import ResolvedInputs, TimeBasis, resolve_inputs
+from prunewatch.roi.load_profile import LoadPoint, LoadProfile, LoadProfileError
 from prunewatch.roi.measured import MeasuredSummary, Window, summarize
 from prunewatch.roi.provenance import InputValue, Provenance
 
 __all__ = [
-    "Assumptions", "Basis", "InputValue", "MeasuredSummary", "NoMeasurementsError", "NoTrafficError",
+    "Assumptions", "Basis", "InputValue", "LoadPoint", "LoadProfile", "LoadProfileError", "MeasuredSummary",
+    "NoMeasurementsError", "NoTrafficError",
     "Provenance", "ResolvedInputs", "RoiError", "RoiResult", "RoiStoreError", "TimeBasis", "Window",
     "calculate", "compute", "projection", "resolve_inputs", "sensitivity", "summarize", "waterfall",
 ]

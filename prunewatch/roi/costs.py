@@ -116,6 +116,7 @@ class GpuTime(BaseModel):
     before_provenance: Provenance
     after_provenance: Provenance
     factor: float
+    under_load_label: str | None = None  # what the times are when they come from a load run's throughput
 
     @property
     def entered(self) -> bool:
@@ -125,8 +126,10 @@ class GpuTime(BaseModel):
 
     def label(self, measured_label: str) -> str:
         """What these times are: `measured_label` (the store's, e.g. 'CPU time per request (measured on
-        cpu: <name>)') unless one was entered."""
-        return "GPU time per request (user-entered)" if self.entered else measured_label
+        cpu: <name>)') unless one was entered or they come from a load run."""
+        if self.entered:
+            return "GPU time per request (user-entered)"
+        return self.under_load_label or measured_label
 
 
 class RoiResult(BaseModel):
@@ -149,12 +152,34 @@ class RoiResult(BaseModel):
         return milestones(self.costs(basis).savings_per_day, self.inputs.implementation_cost_usd.value)
 
 
+def _under_load_time(inputs: ResolvedInputs, factor: float) -> GpuTime:
+    """Seconds of a batched server per request: output tokens / aggregate tokens/s at the concurrency.
+
+    The server decodes every concurrent request in the same steps, so a request costs its share of the
+    aggregate throughput, not its own streaming time."""
+    dense, pruned, load = inputs.dense_tokens_per_s, inputs.pruned_tokens_per_s, inputs.load
+    if dense is None or pruned is None or load is None:
+        raise RoiError("the under-load basis needs the load run's aggregate throughputs")
+    label = (f"{load.profile.time_noun} per request under load ({load.concurrency} concurrent clients, measured on "
+             f"{load.profile.machine})")
+    if inputs.dense_inference_s is not None:  # an entered production time: the load run gives the ratio only
+        before = inputs.dense_inference_s
+        return GpuTime(before_s=before.value, after_s=before.value * factor, before_provenance=before.provenance,
+                       after_provenance=Provenance.ESTIMATED, factor=factor, under_load_label=label)
+    tokens = inputs.completion_tokens_per_request.value
+    return GpuTime(before_s=tokens / dense.value, after_s=tokens / pruned.value,
+                   before_provenance=Provenance.MEASURED_UNDER_LOAD, after_provenance=Provenance.MEASURED_UNDER_LOAD,
+                   factor=factor, under_load_label=label)
+
+
 def gpu_time(inputs: ResolvedInputs) -> GpuTime:
     """GPU seconds per request before and after, from the basis the inputs carry."""
     factor = inputs.factor
     if not factor > 0:
         raise RoiError(f"GPU time after pruning would be {factor:.3f} x before; check the pruning ratio and the "
                        f"prunable share of inference time")
+    if inputs.time_basis is TimeBasis.UNDER_LOAD:
+        return _under_load_time(inputs, factor)
     if inputs.dense_inference_s is not None:
         before = inputs.dense_inference_s
         after_provenance = (Provenance.MEASURED if inputs.time_basis is TimeBasis.MEASURED

@@ -39,6 +39,10 @@ def number(value: float, unit: str) -> str:
         return f"{value:,.1f}"
     if unit in ("s/request",):
         return f"{value:.3f} s"
+    if unit == "clients":
+        return f"{value:.0f}"
+    if unit == "tokens/s":
+        return f"{value:.1f}"
     return f"{value:.3f}"
 
 

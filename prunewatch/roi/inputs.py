@@ -4,7 +4,11 @@ How "after" relates to "before" is decided here and stated in `ResolvedInputs.ti
 - measured: the store holds pruned and dense runs of the same probes, so GPU time per request
   after = before x (pruned / dense inference time on those probes);
 - estimated: only the pruned configuration was measured, so before = measured pruned time /
-  (1 - measured pruning ratio x prunable share of inference time), an assumption-driven bound.
+  (1 - measured pruning ratio x prunable share of inference time), an assumption-driven bound;
+- measured under load: a `prunewatch bench load` run measured the aggregate output tokens/s of dense and pruned
+  serving at the deployment's concurrency, so time per request = output tokens per request / aggregate tokens/s
+  (a batched server decodes several requests per step; their single-stream times would overstate the cost and
+  misstate what pruning saves).
 Token counts and the failure rate are taken as the same before and after: probes cannot tell
 which configuration a failed request would have run, and the output budget does not change.
 """
@@ -17,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from prunewatch.roi.assumptions import Assumptions
 from prunewatch.roi.errors import NoMeasurementsError
+from prunewatch.roi.load_profile import LoadPoint
 from prunewatch.roi.measured import MeasuredSummary
 from prunewatch.roi.provenance import InputValue, Provenance
 
@@ -26,6 +31,7 @@ class TimeBasis(str, Enum):
 
     MEASURED = "measured"
     ESTIMATED = "estimated"
+    UNDER_LOAD = "measured-under-load"
 
 
 _ASSUMPTION_KEYS = ("requests_per_day", "gpu_hourly_usd", "gpu_utilisation", "incident_cost_usd",
@@ -54,11 +60,15 @@ class ResolvedInputs(BaseModel):
     time_factor: InputValue | None = None  # measured pruned/dense time ratio (measured basis only)
     pruning_ratio: InputValue | None = None
     prunable_time_share: InputValue | None = None  # used by the estimated basis only
+    concurrency: InputValue | None = None  # the deployment's concurrent clients (under-load basis only)
+    dense_tokens_per_s: InputValue | None = None  # measured aggregate tokens/s at that concurrency (under load)
+    pruned_tokens_per_s: InputValue | None = None
+    load: LoadPoint | None = None  # the load run and concurrency those three come from
 
     def rows(self) -> list[InputValue]:
         """Every input that applies, in a stable order (the inputs table, CSV, PDF)."""
-        names = [name for name in type(self).model_fields if name not in ("time_basis", "matched_probes")]
-        return [value for value in (getattr(self, name) for name in names) if value is not None]
+        names = [name for name in type(self).model_fields if name not in ("time_basis", "matched_probes", "load")]
+        return [value for value in (getattr(self, name) for name in names) if isinstance(value, InputValue)]
 
     def replace(self, key: str, value: float) -> ResolvedInputs:
         """A copy with one input's value changed (sensitivity analysis)."""
@@ -70,12 +80,16 @@ class ResolvedInputs(BaseModel):
     @property
     def factor(self) -> float:
         """GPU time per request after / before pruning, by the stated basis."""
+        if self.time_basis is TimeBasis.UNDER_LOAD:  # time per token is the inverse of the aggregate throughput
+            return self.dense_tokens_per_s.value / self.pruned_tokens_per_s.value  # type: ignore[union-attr]
         if self.time_basis is TimeBasis.MEASURED and self.time_factor is not None:
             return self.time_factor.value
         return 1.0 - self.pruning_ratio.value * self.prunable_time_share.value  # type: ignore[union-attr]
 
     def describe_basis(self) -> str:
         """One sentence that says how 'after' was derived from 'before' and how sure that is."""
+        if self.time_basis is TimeBasis.UNDER_LOAD:
+            return self._describe_under_load()
         if self.time_basis is TimeBasis.MEASURED:
             return (f"Measured: GPU time per request after pruning = before × {self.factor:.3f}, the ratio of "
                     f"pruned to dense inference time on {self.matched_probes} probes run in both configurations.")
@@ -83,6 +97,20 @@ class ResolvedInputs(BaseModel):
                 f"(1 − {self.pruning_ratio.value:.3f} measured pruning ratio × "  # type: ignore[union-attr]
                 f"{self.prunable_time_share.value:.2f} assumed prunable share of inference time) = before × "  # type: ignore[union-attr]
                 f"{self.factor:.3f}.")
+
+    def _describe_under_load(self) -> str:
+        dense, pruned, clients = self.dense_tokens_per_s, self.pruned_tokens_per_s, self.concurrency
+        if dense is None or pruned is None or clients is None or self.load is None:
+            raise ValueError("the under-load basis needs the load run's throughputs and the concurrency")
+        ratio = pruned.value / dense.value
+        verdict = ("pays" if ratio > 1 else "does not pay") + " at this load"
+        before = ("the entered time per request" if self.dense_inference_s is not None
+                  else "output tokens per request / dense aggregate tokens/s")
+        return (f"Measured under load: at {clients.value:.0f} concurrent clients ({clients.provenance.value}) the "
+                f"pruned configuration streams {pruned.value:.1f} aggregate output tokens/s against dense's "
+                f"{dense.value:.1f}, so pruned/dense aggregate throughput is {ratio:.2f}x and pruning {verdict}: "
+                f"time per request before pruning = {before}, after = before × {self.factor:.3f} "
+                f"({self.load.profile.source}).")
 
 
 def _assumed(assumptions: Assumptions, name: str, note: str = "") -> InputValue:
@@ -131,8 +159,35 @@ def _unmatched_filter(summary: MeasuredSummary) -> str:
     return ""
 
 
-def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> ResolvedInputs:
-    """Combine measurements and assumptions; raises NoMeasurementsError when the evidence is missing."""
+def _under_load(load: LoadPoint, assumptions: Assumptions) -> dict[str, InputValue]:
+    """The inputs of the under-load basis: the concurrency, the two measured throughputs, an entered time."""
+    level, profile = load.level, load.profile
+    measured = f"aggregate output tokens/s at {level.clients} concurrent clients, {profile.source}"
+    values = {
+        "concurrency": InputValue(
+            key="concurrency", label="Concurrent clients (deployment)", value=float(level.clients), unit="clients",
+            provenance=load.concurrency_provenance,
+            note=f"priced at this measured level; measured levels: {', '.join(map(str, profile.concurrencies))}"),
+        "dense_tokens_per_s": InputValue(
+            key="dense_tokens_per_s", label="Aggregate output tokens/s before pruning (dense, under load)",
+            value=level.dense_tokens_per_s, unit="tokens/s", provenance=Provenance.MEASURED, note=measured),
+        "pruned_tokens_per_s": InputValue(
+            key="pruned_tokens_per_s", label="Aggregate output tokens/s after pruning (default, under load)",
+            value=level.pruned_tokens_per_s, unit="tokens/s", provenance=Provenance.MEASURED, note=measured),
+    }
+    if assumptions.dense_inference_s is not None:
+        values["dense_inference_s"] = InputValue(
+            key="dense_inference_s", label=Assumptions.label("dense_inference_s"),
+            value=assumptions.dense_inference_s, unit=Assumptions.unit("dense_inference_s"),
+            provenance=Provenance.USER_ENTERED, note="overrides the time under load; after = it × the load's ratio")
+    return values
+
+
+def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions, load: LoadPoint | None = None) -> ResolvedInputs:
+    """Combine measurements and assumptions; raises NoMeasurementsError when the evidence is missing.
+
+    With `load`, GPU time per request comes from the load run's aggregate throughput at its concurrency instead
+    of the probes' single-stream times; tokens, failures and quality still come from the probes."""
     if summary.pruned_results == 0:
         raise NoMeasurementsError(
             f"no measurements yet: no successful probe of a pruned configuration (sensitivity > 0) for "
@@ -160,6 +215,10 @@ def resolve_inputs(summary: MeasuredSummary, assumptions: Assumptions) -> Resolv
             unit=summary.ratio_unit or "fraction", provenance=Provenance.MEASURED,
             note=f"mean over {n_pruned} pruned probe requests (work skipped / dense work)")
 
+    if load is not None:
+        values.update(_under_load(load, assumptions))
+        return ResolvedInputs(time_basis=TimeBasis.UNDER_LOAD, matched_probes=summary.matched_probes, load=load,
+                              **values)
     if summary.has_dense_baseline:
         basis = TimeBasis.MEASURED
         values["time_factor"] = InputValue(

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict
 class Provenance(str, Enum):
     """How a figure was obtained; shown next to the figure everywhere (app, CSV, PDF, HTML)."""
 
-    MEASURED = "measured"  # read from probe results in the store
+    MEASURED = "measured"  # read from probe results in the store (or a benchmark results file it names)
+    MEASURED_UNDER_LOAD = "measured-under-load"  # from a load run's aggregate tokens/s at the deployment's concurrency
     ESTIMATED = "estimated"  # derived from measured figures through a stated model with assumptions
     ASSUMED_DEFAULT = "assumed-default"  # the product's default assumption, nobody changed it
     USER_ENTERED = "user-entered"  # typed in by the user (sidebar, --assumptions file)

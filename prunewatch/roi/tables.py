@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict
 
 from prunewatch.roi.costs import PERIOD_DAYS, Basis, RoiResult
 from prunewatch.roi.formatting import interval_text, number, payback_text, pct, usd
+from prunewatch.roi.load_profile import LoadPoint
 from prunewatch.roi.measured import MeasuredSummary
-from prunewatch.roi.provenance import Provenance
+from prunewatch.roi.provenance import InputValue, Provenance
 
 
 class Headline(BaseModel):
@@ -116,6 +117,34 @@ def cost_rows(result: RoiResult, basis: Basis, period: str = "month") -> list[di
     return rows
 
 
+def load_rows(load: LoadPoint, hourly: InputValue) -> list[dict[str, str]]:
+    """Cost per 1M output tokens, dense vs pruned, at every measured concurrency: where pruning stops paying."""
+    rows = []
+    for row in load.profile.cost_rows(hourly.value):
+        level = row.level
+        change = row.pruned_usd_per_mtok / row.dense_usd_per_mtok - 1.0
+        rows.append({
+            "Concurrent clients": f"{level.clients}" + (" (deployment)" if level.clients == load.concurrency else ""),
+            "Dense tokens/s": f"{level.dense_tokens_per_s:.1f}",
+            "Pruned tokens/s": f"{level.pruned_tokens_per_s:.1f}",
+            "Pruned / dense": f"{level.pruned_vs_dense:.2f}x",
+            "Dense $/1M output tokens": f"${row.dense_usd_per_mtok:,.2f}",
+            "Pruned $/1M output tokens": f"${row.pruned_usd_per_mtok:,.2f}",
+            "Pruning": (f"saves {pct(-change, 0)}" if row.pays else
+                        "no change" if change == 0 else f"costs {pct(change, 0)} more"),
+        })
+    return rows
+
+
+def load_caption(load: LoadPoint, hourly: InputValue) -> str:
+    """How the under-load table was obtained, figure by figure."""
+    clients = load.concurrency
+    return (f"Tokens/s measured ({load.profile.source}). Cost per 1M output tokens = GPU price / (aggregate "
+            f"tokens/s × 3600) × 1e6, at {usd(hourly.value)} per GPU hour ({hourly.provenance.value}), for a server "
+            f"kept busy at that concurrency. The deployment's concurrency, {clients} clients, is "
+            f"{load.concurrency_provenance.value}.")
+
+
 def to_csv(result: RoiResult, summary: MeasuredSummary) -> str:
     """Inputs (with provenance) and outputs on both bases and all periods, as one CSV."""
     buffer = io.StringIO()
@@ -140,4 +169,11 @@ def to_csv(result: RoiResult, summary: MeasuredSummary) -> str:
         pay = result.payback(basis)
         writer.writerow(["output", "payback_days", "" if pay.days is None else f"{pay.days:.1f}", "days",
                          basis.value, pay.reason])
+    load, hourly = result.inputs.load, result.inputs.gpu_hourly_usd
+    if load is not None:
+        for row in load.profile.cost_rows(hourly.value):
+            for name, value in (("dense", row.dense_usd_per_mtok), ("pruned", row.pruned_usd_per_mtok)):
+                writer.writerow(["load", f"{name}_usd_per_mtok_at_{row.level.clients}_clients", f"{value:.4f}",
+                                 "$/1M output tokens", Provenance.ESTIMATED.value,
+                                 f"GPU price ({hourly.provenance.value}) / measured aggregate tokens/s"])
     return buffer.getvalue()
