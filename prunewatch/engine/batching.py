@@ -23,6 +23,12 @@ shortlist only while it reads fewer bytes than the dense head (each row reads it
 sparsity s read b x (1 - s) of the head). The batch's counted work is split among its rows in equal shares (each
 row is one token; a shared weight read is paid 1/b by each), so the members' counts add up to what the step
 executed.
+
+Memory: the per-request caches grow with each token, so the batcher holds a KV budget (`kv_budget_bytes`). A
+request reserves, when it joins, what its cache can reach (prompt plus max new tokens, every layer's key and
+value) and gives it back when it leaves; one that does not fit waits until enough is given back, so admitted
+requests never hold more cache than the budget. One that alone needs more than the whole budget fails at once
+(KVBudgetError).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from prunewatch.engine.errors import KVBudgetError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
 from prunewatch.engine.threads import start_generation_thread
 
@@ -185,16 +192,24 @@ class DecodeBatcher:
     decode steps batched up to `max_batch` rows."""
 
     def __init__(self, instrumented: InstrumentedModel, max_batch: int, threads: int | None = None, *,
-                 gather_s: float = 0.05, prefill_chunk: int = 128, sparse_rows: int = 1) -> None:
-        if max_batch < 1 or prefill_chunk < 1 or gather_s < 0 or sparse_rows < 0:
-            raise ValueError(f"max_batch and prefill_chunk must be >= 1, gather_s and sparse_rows >= 0, got "
-                             f"{max_batch}, {prefill_chunk}, {gather_s}, {sparse_rows}")
+                 gather_s: float = 0.05, prefill_chunk: int = 128, sparse_rows: int = 1,
+                 kv_bytes_per_token: int = 0, kv_budget_bytes: int | None = None) -> None:
+        if max_batch < 1 or prefill_chunk < 1 or gather_s < 0 or sparse_rows < 0 or kv_bytes_per_token < 0:
+            raise ValueError(f"max_batch and prefill_chunk must be >= 1, gather_s, sparse_rows and kv_bytes_per_token "
+                             f">= 0, got {max_batch}, {prefill_chunk}, {gather_s}, {sparse_rows}, {kv_bytes_per_token}")
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1 or None (no bound), got {kv_budget_bytes}")
         self.instrumented = instrumented
         self.max_batch = max_batch
         self.gather_s = gather_s
         self.prefill_chunk = prefill_chunk
         self.sparse_rows = sparse_rows
         self.batch_sizes: dict[int, int] = {}  # rows -> decode steps run with that many
+        self.kv_bytes_per_token = kv_bytes_per_token  # every layer's key and value of one token
+        self.kv_budget_bytes = kv_budget_bytes  # None: no bound
+        self.kv_reserved_bytes = 0  # held by the requests in the batcher now
+        self.kv_peak_bytes = 0  # the most held at once
+        self.kv_waits = 0  # requests that waited for cache room
         install_ragged_attention(instrumented.model)
         self._cond = threading.Condition()
         self._rows: list[_Row] = []
@@ -209,14 +224,43 @@ class DecodeBatcher:
         return self._decoding
 
     # -- request side ----------------------------------------------------------------------------------
+    def kv_bytes_for(self, tokens: int) -> int:
+        """The KV cache `tokens` positions can fill: what a request of that length reserves."""
+        return max(0, tokens) * self.kv_bytes_per_token
+
+    def check_fits(self, tokens: int) -> None:
+        """Raise KVBudgetError when a request of `tokens` positions could never fit in the budget."""
+        need = self.kv_bytes_for(tokens)
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise KVBudgetError(
+                f"the prompt plus max new tokens ({tokens} positions) need {need / 2**20:.1f} MiB of KV cache, more "
+                f"than the server's whole KV budget of {self.kv_budget_bytes / 2**20:.1f} MiB; shorten the prompt or "
+                f"max_tokens, or raise the budget")
+
     @contextlib.contextmanager
-    def sequence(self, plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any) -> Iterator[BatchedSequence]:
-        """Hold one request in the batcher for the length of the block; it leaves the decode steps on exit."""
+    def sequence(self, plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any,
+                 kv_tokens: int = 0) -> Iterator[BatchedSequence]:
+        """Hold one request in the batcher for the length of the block, with the KV cache of `kv_tokens` positions
+        reserved (waiting for room first); it leaves the decode steps and gives the room back on exit."""
+        self.check_fits(kv_tokens)
+        need = self.kv_bytes_for(kv_tokens)
+        with self._cond:
+            waited = False
+            while (not self._closed and self.kv_budget_bytes is not None
+                   and self.kv_reserved_bytes + need > self.kv_budget_bytes):
+                waited = True
+                self._cond.wait()
+            if self._closed:
+                raise BatcherClosedError("the decode batcher is closed")
+            self.kv_waits += waited
+            self.kv_reserved_bytes += need
+            self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_reserved_bytes)
         sequence = BatchedSequence(self, plan, ledger, cache)
         try:
             yield sequence
         finally:
             with self._cond:
+                self.kv_reserved_bytes -= need
                 if sequence.decoding:
                     sequence.decoding = False
                     self._decoding -= 1

@@ -19,3 +19,7 @@ class CalibrationMismatchError(EngineError):
 
 class InvalidRequestError(EngineError):
     """A request parameter is out of range (sensitivity, blacklist layer, max_tokens...)."""
+
+
+class KVBudgetError(InvalidRequestError):
+    """A request whose KV cache (prompt plus max new tokens) alone needs more than the batcher's whole budget."""

@@ -158,18 +158,22 @@ class PruningEngine:
             return self._generation_thread
 
     def new_batcher(self, max_batch: int, threads: int | None = None, *, gather_s: float = 0.05,
-                    prefill_chunk: int = 128, sparse_rows: int = 1) -> DecodeBatcher:
+                    prefill_chunk: int = 128, sparse_rows: int = 1,
+                    kv_budget_bytes: int | None = None) -> DecodeBatcher:
         """A continuous batcher for this engine's model (prunewatch.engine.batching): generations given it
         (`stream(batcher=...)`) decode together, up to `max_batch` sharing each decode step, on its stepper thread
         with `threads` intra-op threads (default: the engine's `threads` setting, else torch's). Their callers'
         threads then only detokenize and stream, so they should run with one intra-op thread. Compiled decode
         steps are not used in a batcher. `sparse_rows`: the largest step that keeps the requests' activation
         sparsity and output-head shortlist (larger ones run dense; prunewatch.engine.batching.batch_plan says
-        why). The caller closes it."""
+        why). `kv_budget_bytes`: the KV cache the requests in it may hold together (None: no bound); each reserves
+        its prompt plus max new tokens at every layer when it joins. The caller closes it."""
         from prunewatch.engine.batching import DecodeBatcher
 
         return DecodeBatcher(self.instrumented, max_batch, threads or self.settings.threads, gather_s=gather_s,
-                             prefill_chunk=prefill_chunk, sparse_rows=sparse_rows)
+                             prefill_chunk=prefill_chunk, sparse_rows=sparse_rows,
+                             kv_bytes_per_token=self._kv_bytes_per_token_per_layer * self.num_layers,
+                             kv_budget_bytes=kv_budget_bytes)
 
     # -- calibration -------------------------------------------------------------------------
     def use_calibration(self, calibration: Calibration) -> None:
@@ -414,7 +418,8 @@ class PruningEngine:
         plan = replace(plan, row_invariant=True)
         keep = 0 if score_prompt else 1
         chunk = len(prompt_ids) if score_prompt else batcher.prefill_chunk
-        with executing(plan, ledger), batcher.sequence(plan, ledger, cache) as sequence:
+        with executing(plan, ledger), batcher.sequence(plan, ledger, cache,
+                                                       kv_tokens=len(prompt_ids) + max_new_tokens) as sequence:
             out = None
             for start in range(0, len(prompt_ids), chunk):
                 piece = torch.tensor([prompt_ids[start:start + chunk]], device=device)  # (1, <= chunk)

@@ -51,7 +51,10 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
     metrics.set_queue_limit(settings.queue_depth)
     # With more than one worker the requests' threads only detokenize and stream (one intra-op thread each): every
     # forward pass runs on the batcher's stepper, which holds the cores.
-    batcher = engine.new_batcher(settings.workers) if settings.workers > 1 else None
+    batcher = (engine.new_batcher(settings.workers, kv_budget_bytes=settings.kv_cache_mib * 2**20)
+               if settings.workers > 1 else None)
+    if batcher is not None:
+        metrics.watch_kv_cache(lambda: batcher.kv_reserved_bytes, settings.kv_cache_mib * 2**20)
     queue = AdmissionQueue(settings.queue_depth, settings.workers, on_change=metrics.set_in_queue,
                            threads=1 if batcher is not None else engine.settings.threads)
     policy = PruningPolicy()  # per-domain defaults for requests without X-Pruning-Sensitivity (prunewatch/server/policy.py)

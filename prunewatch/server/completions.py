@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from jinja2 import TemplateError
 
-from prunewatch.engine.errors import InvalidRequestError
+from prunewatch.engine.errors import InvalidRequestError, KVBudgetError
 from prunewatch.engine.hardware import device_model_name
 from prunewatch.engine.logprobs import TokenLogprob
 from prunewatch.engine.pruning_engine import PruningEngine, TokenDelta, stop_sequences
@@ -217,6 +217,12 @@ class CompletionService:
             raise APIError(400, f"This model's context is {self.context_window} tokens; the prompt's "
                                 f"{len(ids)} plus {max_new} completion tokens do not fit.",
                            param=f"{param_prefix}{what}", code="context_length_exceeded")
+        if self.batcher is not None:
+            try:
+                self.batcher.check_fits(len(ids) + max_new)
+            except KVBudgetError as exc:
+                raise APIError(400, f"{str(exc)[0].upper()}{str(exc)[1:]}.", param=f"{param_prefix}{what}",
+                               code="kv_budget_exceeded") from None
         return GenerationSpec(kind=kind, request_id=uuid.uuid4().hex, prompt=prompt, messages=messages,
                               prompt_ids=tuple(ids), prompt_tokens=len(ids), max_new_tokens=max_new, pruning=pruning,
                               stream=bool(body.stream), stop=stop, logprobs=logprobs, echo=echo)

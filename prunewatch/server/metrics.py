@@ -11,6 +11,8 @@ The engine fills `RequestStats`; `record_generation` is the exporter that turns 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prunewatch.engine.stats import RequestStats
@@ -59,7 +61,20 @@ class ServerMetrics:
             check_metric_name("prunewatch_decode_batch_size"),
             "Rows per decode step a generation ran in, on average over its steps (1: alone).", ["model"],
             buckets=(1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self.kv_cache_reserved = Gauge(
+            check_metric_name("prunewatch_kv_cache_reserved_bytes"),
+            "KV cache reserved by the requests decoding together (prompt plus max tokens each).", ["model"],
+            registry=r)
+        self.kv_cache_budget = Gauge(
+            check_metric_name("prunewatch_kv_cache_budget_bytes"),
+            "Configured KV cache budget of the batched requests; a request waits for room beyond it.", ["model"],
+            registry=r)
         self._in_queue = self.in_queue.labels(model)
+
+    def watch_kv_cache(self, reserved: Callable[[], float], budget_bytes: int) -> None:
+        """Publish the batcher's KV reservation (read at each scrape) and its budget."""
+        self.kv_cache_reserved.labels(self.model).set_function(reserved)
+        self.kv_cache_budget.labels(self.model).set(budget_bytes)
 
     def set_queue_limit(self, depth: int) -> None:
         self.queue_depth.labels(self.model).set(depth)

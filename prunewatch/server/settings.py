@@ -38,6 +38,14 @@ class ServerSettings(BaseSettings):
             "queue. 1 runs one generation at a time, without the batcher."
         ),
     )
+    kv_cache_mib: int = Field(
+        1024, ge=1, le=1_048_576,
+        description=(
+            "KV cache the requests decoding together may hold, in MiB. Each reserves its prompt plus max_tokens at "
+            "every layer when it starts and waits for room past the budget; one that alone needs more is 400. "
+            "With workers 1 (no batcher) there is one cache at a time and no bound."
+        ),
+    )
     max_prompt_tokens: int = Field(
         2048, ge=1, description="Longest prompt accepted, in tokens after the chat template; longer is 413."
     )

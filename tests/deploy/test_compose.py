@@ -360,7 +360,7 @@ def test_env_example_names_never_shadow_a_setting_by_accident(raw):
             alias = field.validation_alias
             setting_names.add(alias if isinstance(alias, str) else (prefix + name).upper())
     shadowing = set(read_env_file(ENV_EXAMPLE)) & setting_names
-    assert shadowing == {"PRUNEWATCH_SERVER_WORKERS", "PRUNEWATCH_SERVER_QUEUE_DEPTH",
+    assert shadowing == {"PRUNEWATCH_SERVER_WORKERS", "PRUNEWATCH_SERVER_KV_CACHE_MIB", "PRUNEWATCH_SERVER_QUEUE_DEPTH",
                          "PRUNEWATCH_SERVER_MAX_TOKENS_LIMIT", "PRUNEWATCH_ROI_PASSWORD",
                          "PRUNEWATCH_ENGINE_COMPILE_DECODE"}
     for name in shadowing:  # each is handed to a container under its own name, nothing else

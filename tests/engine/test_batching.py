@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from prunewatch.engine import batching
 from prunewatch.engine.batching import DecodeBatcher, batch_key, batch_plan, split_ledger
+from prunewatch.engine.errors import KVBudgetError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan
 from prunewatch.engine.pruning_engine import PruningEngine
 from prunewatch.engine.stats import GenerationResult
@@ -257,3 +258,57 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_place_in_the_ste
         assert sum(batcher.batch_sizes.values()) < 479  # it stopped decoding before its length
         answer = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3}, headers=headers)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+
+
+def test_requests_past_the_kv_budget_wait_for_room_and_answer_as_alone(engine: PruningEngine) -> None:
+    """Through `serve` with a 1 MiB KV budget, room for two of these requests (prompt plus 40 tokens each) and not
+    three: four concurrent clients decode at most two at a time, get the answers they get alone, and the
+    reservation, published in /metrics, never passes the budget and goes back to 0."""
+    app = create_app(engine, ServerSettings(workers=4, max_tokens_limit=64, kv_cache_mib=1), registry=CollectorRegistry())
+    batcher = app.state.service.batcher
+    needs = [batcher.kv_bytes_for(len(engine.render_prompt(p, None, None)) + 40) for p in PROMPTS[:4]]
+    assert 2 * max(needs) <= 2**20 < 3 * min(needs)  # the premise: two fit, three do not
+    headers = {"X-Pruning-Sensitivity": "0"}
+
+    def ask(client: httpx.Client, prompt: str) -> str:
+        response = client.post("/v1/chat/completions", headers=headers, json={
+            "model": engine.name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    with serve_in_background(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        alone = [ask(client, p) for p in PROMPTS[:4]]
+        assert batcher.kv_waits == 0 and batcher.kv_peak_bytes == max(needs)
+        answers: list[str] = [""] * 4
+        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, ask(client, PROMPTS[i])))
+                   for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        metrics = client.get("/metrics").text
+    assert answers == alone
+    assert max(batcher.batch_sizes) == 2  # two shared steps, never three
+    assert batcher.kv_waits >= 2 and batcher.kv_peak_bytes <= 2**20
+    assert batcher.kv_reserved_bytes == 0
+    assert f'prunewatch_kv_cache_budget_bytes{{model="{engine.name}"}} 1.048576e+06' in metrics
+    assert f'prunewatch_kv_cache_reserved_bytes{{model="{engine.name}"}} 0.0' in metrics
+
+
+def test_a_request_that_alone_needs_more_than_the_kv_budget_is_refused(engine: PruningEngine) -> None:
+    batcher = engine.new_batcher(2, kv_budget_bytes=50_000)  # a few positions of the probe model's cache
+    try:
+        with pytest.raises(KVBudgetError, match=r"need .* MiB of KV cache, more than the server's whole KV budget"):
+            engine.generate(PROMPTS[0], max_new_tokens=20, sensitivity=0.0, batcher=batcher)
+        assert batcher.kv_reserved_bytes == 0 and batcher.decoding == 0
+    finally:
+        batcher.close()
+    app = create_app(engine, ServerSettings(workers=2, max_tokens_limit=400, kv_cache_mib=1),
+                     registry=CollectorRegistry())
+    with serve_in_background(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        too_long = client.post("/v1/completions", json={"model": engine.name, "prompt": PROMPTS[0], "max_tokens": 200})
+        fits = client.post("/v1/completions", json={"model": engine.name, "prompt": PROMPTS[0], "max_tokens": 100})
+    assert too_long.status_code == 400, too_long.text
+    error = too_long.json()["error"]
+    assert error["code"] == "kv_budget_exceeded" and "1.0 MiB" in error["message"]
+    assert fits.status_code == 200, fits.text
