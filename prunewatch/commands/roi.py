@@ -10,12 +10,52 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from prunewatch.cli_errors import fail
 from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
+from prunewatch.roi.settings import CONCURRENCY_ENV, LOAD_RESULTS_ENV
+
+if TYPE_CHECKING:
+    from prunewatch.roi.load_profile import LoadPoint, LoadProfile
+
+LOAD_RESULTS_HELP = ("Results JSON of `prunewatch bench load`: price time per request from its measured aggregate "
+                     "tokens/s at --concurrency, not from the probes' one-request-at-a-time times.")
+
+
+def _profile(path: Path) -> LoadProfile:
+    """The load run in `path`, or a one-line `error:` exit (missing file, not JSON, no dense/default series)."""
+    from prunewatch.roi.errors import RoiError
+    from prunewatch.roi.load_profile import LoadProfile
+
+    try:
+        return LoadProfile.from_file(path)
+    except RoiError as exc:
+        raise fail(str(exc))
+
+
+def _load_point(load_results: Path | None, concurrency: int | None, *, required: bool) -> LoadPoint | None:
+    """The load run at the deployment's concurrency (None without a file); `required`: the report needs the
+    concurrency named, because a default would price a load nobody stated."""
+    from prunewatch.roi.errors import RoiError
+    from prunewatch.roi.load_profile import LoadPoint
+
+    if load_results is None:
+        if concurrency is not None:
+            raise fail("--concurrency needs --load-results (a `prunewatch bench load` result)")
+        return None
+    profile = _profile(load_results)
+    if concurrency is None:
+        if required:
+            raise fail(f"--load-results needs --concurrency, one of the levels {load_results} measured: "
+                       f"{', '.join(map(str, profile.concurrencies))}")
+        return None
+    try:
+        return LoadPoint.choose(profile, concurrency)
+    except RoiError as exc:
+        raise fail(str(exc))
 
 
 def app_path() -> Path:
@@ -30,6 +70,9 @@ def roi_command(
     host: Annotated[str, typer.Option(help="Address the app listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port the app listens on.")] = 8501,
     days: Annotated[int, typer.Option(help="Window selected when the app opens (1, 7, 30, 60, 90, 180 or 365 days).")] = 30,
+    load_results: Annotated[Path | None, typer.Option(envvar=LOAD_RESULTS_ENV, help=LOAD_RESULTS_HELP)] = None,
+    concurrency: Annotated[int | None, typer.Option(envvar=CONCURRENCY_ENV, help=(
+        "Concurrent clients the app starts at, a level the load run measured (default: its highest)."))] = None,
 ) -> None:
     """Open the ROI calculator (Streamlit) on the store's measurements; PRUNEWATCH_ROI_PASSWORD locks it."""
     from prunewatch.records.store import safe_url
@@ -43,6 +86,7 @@ def roi_command(
 
     if days not in WINDOW_CHOICES_DAYS:
         raise fail(f"--days must be one of {', '.join(map(str, WINDOW_CHOICES_DAYS))}, got {days}")
+    _load_point(load_results, concurrency, required=False)
     try:
         check_store(db)
     except RoiStoreError as exc:
@@ -54,6 +98,10 @@ def roi_command(
     except ServeAddressError as exc:
         raise fail(str(exc))
     env = {**os.environ, STORE_URL_ENV: db, DEFAULT_DAYS_ENV: str(days)}
+    if load_results is not None:  # absolute: Streamlit runs the app from its own working directory
+        env[LOAD_RESULTS_ENV] = str(load_results.resolve())
+    if concurrency is not None:
+        env[CONCURRENCY_ENV] = str(concurrency)
     lock = "password required" if os.environ.get(PASSWORD_ENV) else f"no password (set {PASSWORD_ENV} to require one)"
     typer.echo(f"ROI app on http://{host}:{port} for store {safe_url(db)}; {lock}; Ctrl-C stops it")
     sys.stdout.flush()
@@ -70,6 +118,9 @@ def report_command(
     target: Annotated[str | None, typer.Option(help="Only this target (default: every target in the store).")] = None,
     model: Annotated[str | None, typer.Option(help="Only this model (default: every model).")] = None,
     assumptions: Annotated[Path | None, typer.Option(help="JSON file of assumptions (the app's 'download assumptions').")] = None,
+    load_results: Annotated[Path | None, typer.Option(help=LOAD_RESULTS_HELP)] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Concurrent clients of the deployment: one of the levels "
+                                                         "the load run measured (needed with --load-results).")] = None,
 ) -> None:
     """Write the CFO report (PDF + HTML): savings with their basis, trends, method, assumptions, quality kept."""
     from prunewatch.records.store import safe_url
@@ -77,6 +128,7 @@ def report_command(
     from prunewatch.roi.costs import Basis
     from prunewatch.roi.errors import NoMeasurementsError, NoTrafficError, RoiError
     from prunewatch.roi.formatting import payback_text, usd
+    from prunewatch.roi.load_profile import clients_text
     from prunewatch.roi.report import REPORT_DAYS
     from prunewatch.roi.report_files import generate_report
 
@@ -87,9 +139,10 @@ def report_command(
     html_path = html or out.with_suffix(".html")
     if html_path.resolve() == out.resolve():
         raise fail("--html must differ from --out")
+    load = _load_point(load_results, concurrency, required=True)
     try:
         chosen = Assumptions.from_file(assumptions) if assumptions else Assumptions()
-        data = generate_report(db, days, out, html_path, chosen, target=target, model=model)
+        data = generate_report(db, days, out, html_path, chosen, target=target, model=model, load=load)
     except (NoMeasurementsError, NoTrafficError) as exc:  # about the store's data: say which store
         raise fail(f"store {safe_url(db)}: {exc}")
     except RoiError as exc:
@@ -97,8 +150,11 @@ def report_command(
     except OSError as exc:
         raise fail(f"cannot write the report: {exc}")
     costs = data.result.costs(Basis.ALLOCATION)
-    # An entered time per request is a production GPU time; the store's is what its probes ran on.
-    noun = "GPU time" if data.result.gpu_time.entered else data.summary.time_noun.replace("Time", "time")
+    # An entered time per request is a production GPU time; the store's is what its probes ran on, a load run's
+    # what its server ran on.
+    measured_noun = load.profile.time_noun if load else data.summary.time_noun
+    noun = "GPU time" if data.result.gpu_time.entered else measured_noun.replace("Time", "time")
+    at = f" at {clients_text(load.concurrency)}" if load else ""
     typer.echo(f"wrote {out} and {html_path}: savings {usd(costs.savings_per('month'))} per month on the allocation "
-               f"basis ({data.result.inputs.time_basis.value} {noun} after pruning), payback "
+               f"basis ({data.result.inputs.time_basis.value} {noun} after pruning{at}), payback "
                f"{payback_text(data.result.payback(Basis.ALLOCATION))}")

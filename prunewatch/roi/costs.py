@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from prunewatch.roi.errors import NoTrafficError, RoiError
 from prunewatch.roi.inputs import ResolvedInputs, TimeBasis
+from prunewatch.roi.load_profile import clients_text
 from prunewatch.roi.provenance import Provenance
 
 HOURS_PER_DAY = 24.0
@@ -160,7 +161,7 @@ def _under_load_time(inputs: ResolvedInputs, factor: float) -> GpuTime:
     dense, pruned, load = inputs.dense_tokens_per_s, inputs.pruned_tokens_per_s, inputs.load
     if dense is None or pruned is None or load is None:
         raise RoiError("the under-load basis needs the load run's aggregate throughputs")
-    label = (f"{load.profile.time_noun} per request under load ({load.concurrency} concurrent clients, measured on "
+    label = (f"{load.profile.time_noun} per request under load ({clients_text(load.concurrency)}, measured on "
              f"{load.profile.machine})")
     if inputs.dense_inference_s is not None:  # an entered production time: the load run gives the ratio only
         before = inputs.dense_inference_s

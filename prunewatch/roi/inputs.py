@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from prunewatch.roi.assumptions import Assumptions
 from prunewatch.roi.errors import NoMeasurementsError
-from prunewatch.roi.load_profile import LoadPoint
+from prunewatch.roi.load_profile import LoadPoint, clients_text
 from prunewatch.roi.measured import MeasuredSummary
 from prunewatch.roi.provenance import InputValue, Provenance
 
@@ -106,7 +106,7 @@ class ResolvedInputs(BaseModel):
         verdict = ("pays" if ratio > 1 else "does not pay") + " at this load"
         before = ("the entered time per request" if self.dense_inference_s is not None
                   else "output tokens per request / dense aggregate tokens/s")
-        return (f"Measured under load: at {clients.value:.0f} concurrent clients ({clients.provenance.value}) the "
+        return (f"Measured under load: at {clients_text(round(clients.value))} ({clients.provenance.value}) the "
                 f"pruned configuration streams {pruned.value:.1f} aggregate output tokens/s against dense's "
                 f"{dense.value:.1f}, so pruned/dense aggregate throughput is {ratio:.2f}x and pruning {verdict}: "
                 f"time per request before pruning = {before}, after = before × {self.factor:.3f} "
@@ -162,7 +162,7 @@ def _unmatched_filter(summary: MeasuredSummary) -> str:
 def _under_load(load: LoadPoint, assumptions: Assumptions) -> dict[str, InputValue]:
     """The inputs of the under-load basis: the concurrency, the two measured throughputs, an entered time."""
     level, profile = load.level, load.profile
-    measured = f"aggregate output tokens/s at {level.clients} concurrent clients, {profile.source}"
+    measured = f"aggregate output tokens/s at {clients_text(level.clients)}, {profile.source}"
     values = {
         "concurrency": InputValue(
             key="concurrency", label="Concurrent clients (deployment)", value=float(level.clients), unit="clients",

@@ -198,6 +198,11 @@ class LoadPoint(BaseModel):
         return self.profile.at(self.concurrency)
 
 
+def clients_text(clients: int) -> str:
+    """'1 concurrent client', '4 concurrent clients'."""
+    return f"{clients} concurrent client" + ("" if clients == 1 else "s")
+
+
 def _levels(clients: Sequence[int] | dict[int, float]) -> str:
     return ", ".join(str(c) for c in sorted(clients))
 

@@ -18,6 +18,7 @@ from prunewatch.roi.assumptions import Assumptions
 from prunewatch.roi.calculator import calculate
 from prunewatch.roi.costs import Basis, RoiResult
 from prunewatch.roi.formatting import number, payback_text, pct, usd
+from prunewatch.roi.load_profile import LoadPoint, clients_text
 from prunewatch.roi.measured import (
     NOT_RECORDED,
     PROBE_MODEL_CAVEAT,
@@ -33,6 +34,8 @@ from prunewatch.roi.tables import (
     headlines,
     in_measured_words,
     input_rows,
+    load_caption,
+    load_rows,
     quality_kept_text,
     quality_rows,
 )
@@ -169,18 +172,21 @@ def _where_timed(summary: MeasuredSummary) -> str:
     return f"Inference times were {summary.measured_on} ({summary.time_noun})."
 
 
-def _priced_as_gpu_time(summary: MeasuredSummary) -> str:
-    """The caveat when the measured time per request was not measured on a GPU; '' when it was."""
-    if summary.measured_on_gpu:
+def _priced_as_gpu_time(summary: MeasuredSummary, load: LoadPoint | None = None) -> str:
+    """The caveat when the measured time per request was not measured on a GPU; '' when it was. Under load the
+    time comes from the load run, so its machine decides."""
+    on_gpu, noun = (load.profile.on_gpu, load.profile.time_noun) if load else (summary.measured_on_gpu,
+                                                                                summary.time_noun)
+    if on_gpu:
         return ""
-    noun = summary.time_noun if summary.time_noun != "Time" else "time"
+    noun = noun if noun != "Time" else "time"
     return (f"The cost lines price this {noun} at the GPU hourly rate as if it were GPU time; it was not "
             f"measured on a GPU, so enter a production GPU time per request for GPU costs.")
 
 
 def _savings_blocks(summary: MeasuredSummary, result: RoiResult, charts: dict[str, bytes]) -> list[Block]:
     times, alloc = result.gpu_time, result.allocation
-    caveat = "" if times.entered else _priced_as_gpu_time(summary)
+    caveat = "" if times.entered else _priced_as_gpu_time(summary, result.inputs.load)
     blocks: list[Block] = [
         Heading("Savings and their basis"),
         Para(f"{_e(times.label(summary.time_label))} is {_e(number(times.before_s, 's/request'))} before pruning "
@@ -215,6 +221,38 @@ def _savings_blocks(summary: MeasuredSummary, result: RoiResult, charts: dict[st
     return blocks
 
 
+def _pays_text(load: LoadPoint) -> str:
+    """Where pruning stops paying, from the measured levels: 'Pruning pays at 1 client; not at 2, 4 and 8.'"""
+    pays = [level.clients for level in load.profile.levels if level.pruned_vs_dense > 1]
+    not_ = [level.clients for level in load.profile.levels if level.pruned_vs_dense <= 1]
+
+    def clients(numbers: list[int]) -> str:
+        head = ", ".join(map(str, numbers[:-1])) + (" and " if len(numbers) > 1 else "")
+        return head + clients_text(numbers[-1]) if len(numbers) == 1 else head + f"{numbers[-1]} concurrent clients"
+
+    if not not_:
+        return f"Pruned serving streams more tokens per second than dense at every measured level ({clients(pays)})."
+    if not pays:
+        return f"Pruned serving streams fewer tokens per second than dense at every measured level ({clients(not_)})."
+    return f"A pruned token is cheaper than a dense one at {clients(pays)}, and not at {clients(not_)}."
+
+
+def _load_blocks(result: RoiResult, load: LoadPoint) -> list[Block]:
+    """The 'Throughput under load' section: the basis, and cost per 1M output tokens at each measured level."""
+    hourly = result.inputs.gpu_hourly_usd
+    rows = load_rows(load, hourly)
+    header = tuple(rows[0])
+    return [
+        Heading("Throughput under load"),
+        Para(_e(result.inputs.describe_basis())),
+        Table(header=header, rows=tuple(tuple(row[name] for name in header) for row in rows),
+              widths=(0.15, 0.12, 0.12, 0.11, 0.16, 0.16, 0.18),
+              title="Cost per 1M output tokens by concurrency, dense vs pruned"),
+        Para(_e(_pays_text(load))),
+        Para(_e(load_caption(load, hourly)), small=True),
+    ]
+
+
 def _trend_blocks(summary: MeasuredSummary, charts: dict[str, bytes], bucket_label: str, swing: float) -> list[Block]:
     rows = tuple(quality_rows(summary))
     return [
@@ -237,11 +275,20 @@ def _trend_blocks(summary: MeasuredSummary, charts: dict[str, bytes], bucket_lab
 
 
 def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
-    caveat = "" if result.gpu_time.entered else _priced_as_gpu_time(summary)
+    load = result.inputs.load
+    caveat = "" if result.gpu_time.entered else _priced_as_gpu_time(summary, load)
+    where = ("Token counts, failures and quality come from prunewatch probes in the window; time per request comes "
+             "from the load run's aggregate tokens/s at the deployment's concurrency (requests batched together), "
+             "not from the probes' one-at-a-time times." if load else
+             "Measured figures come from prunewatch probes in the window; probes run one request at a time, so "
+             "enter a production GPU time per request when serving batches many requests together.")
+    under_load = ("; <i>measured-under-load</i> = derived from a load run's measured aggregate tokens/s at the "
+                  "deployment's concurrency" if load else "")
     blocks: list[Block] = [
         Heading("Method and assumptions"),
         Bullets((
-            *((f"Time per request is {_e(summary.time_label)}. {_e(caveat)}",) if caveat else ()),
+            *((f"Time per request is {_e(result.gpu_time.label(summary.time_label))}. {_e(caveat)}",)
+              if caveat else ()),
             "GPU cost, usage basis = requests per day × GPU seconds per request / 3600 / utilisation × GPU price.",
             "GPU cost, allocation basis = whole GPUs reserved 24 h a day (enough for the busy hours at the "
             "utilisation, at least one) × 24 × GPU price.",
@@ -250,12 +297,11 @@ def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
             "Failure cost = requests × failed-request share × cost per failed request.",
             _e(basis_text(summary, result)),
             "Savings = cost before − cost after; payback = implementation cost / savings per day (no discounting).",
-            "Measured figures come from prunewatch probes in the window; probes run one request at a time, so "
-            "enter a production GPU time per request when serving batches many requests together.",
+            where,
         )),
-        Para("Provenance: <i>measured</i> = read from probe results; <i>estimated</i> = derived from measurements "
-             "through the stated model; <i>assumed-default</i> = the product's default assumption; "
-             "<i>user-entered</i> = changed by the user.", small=True),
+        Para("Provenance: <i>measured</i> = read from probe results (or the load run's file); <i>estimated</i> = "
+             "derived from measurements through the stated model; <i>assumed-default</i> = the product's default "
+             f"assumption; <i>user-entered</i> = changed by the user{under_load}.", small=True),
     ]
     rows = tuple((in_measured_words(r["Input"], summary, r["Provenance"]), r["Value"], r["Unit"], r["Provenance"], r["Note"])
                  for r in input_rows(result))
@@ -267,11 +313,14 @@ def _method_blocks(summary: MeasuredSummary, result: RoiResult) -> list[Block]:
 
 def build_report(results: Sequence[ProbeResult], window: Window, assumptions: Assumptions, days: int,
                  target: str | None = None, model: str | None = None, sensitivity_pct: float = 20.0,
-                 now: datetime | None = None) -> ReportData:
-    """Compute the ROI exactly as the app does, then lay the report out as blocks."""
+                 now: datetime | None = None, load: LoadPoint | None = None) -> ReportData:
+    """Compute the ROI exactly as the app does, then lay the report out as blocks.
+
+    With `load`, time per request is priced from the load run's throughput at its concurrency, and a
+    'Throughput under load' section shows the cost per 1M output tokens at every measured level."""
     if days not in REPORT_DAYS:
         raise ValueError(f"report window must be one of {', '.join(map(str, REPORT_DAYS))} days, got {days}")
-    summary, result = calculate(results, window, assumptions, target, model)
+    summary, result = calculate(results, window, assumptions, target, model, load)
     chosen = select(results, window, target, model)
     width_s, points = trend(chosen)
     bucket_label = f"{width_s // 86_400}-day bucket" if width_s >= 86_400 else (
@@ -296,6 +345,8 @@ def build_report(results: Sequence[ProbeResult], window: Window, assumptions: As
         f"generated {generated:%Y-%m-%d %H:%M} UTC")]
     blocks += _summary_blocks(summary, result, assumptions)
     blocks += _savings_blocks(summary, result, charts)
+    if load is not None:
+        blocks += _load_blocks(result, load)
     blocks += _trend_blocks(summary, charts, bucket_label, sensitivity_pct)
     blocks += _method_blocks(summary, result)
     return ReportData(days=days, generated_at=generated, summary=summary, result=result, blocks=blocks)

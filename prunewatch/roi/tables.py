@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from prunewatch.roi.costs import PERIOD_DAYS, Basis, RoiResult
 from prunewatch.roi.formatting import interval_text, number, payback_text, pct, usd
-from prunewatch.roi.load_profile import LoadPoint
+from prunewatch.roi.load_profile import LoadPoint, clients_text
 from prunewatch.roi.measured import MeasuredSummary
 from prunewatch.roi.provenance import InputValue, Provenance
 
@@ -141,7 +141,7 @@ def load_caption(load: LoadPoint, hourly: InputValue) -> str:
     clients = load.concurrency
     return (f"Tokens/s measured ({load.profile.source}). Cost per 1M output tokens = GPU price / (aggregate "
             f"tokens/s × 3600) × 1e6, at {usd(hourly.value)} per GPU hour ({hourly.provenance.value}), for a server "
-            f"kept busy at that concurrency. The deployment's concurrency, {clients} clients, is "
+            f"kept busy at that concurrency. The deployment's concurrency, {clients_text(clients)}, is "
             f"{load.concurrency_provenance.value}.")
 
 

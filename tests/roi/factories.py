@@ -1,8 +1,11 @@
-"""ProbeResults with round numbers, so ROI figures can be computed by hand in the tests."""
+"""ProbeResults and load runs with round numbers, so ROI figures can be computed by hand in the tests."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 from prunewatch.records.results import ProbeResult
 from prunewatch.roi.measured import Window
@@ -48,3 +51,39 @@ def measured_basis_results() -> list[ProbeResult]:
         probe("legal-b", sensitivity=0.0, inference_ms=2800, minutes=6),
         failed("finance-c", minutes=7),
     ]
+
+
+# Aggregate tokens/s: pruning is faster alone, even at 2 clients, slower at 4 (as batching does to it).
+DENSE = {1: 20.0, 2: 36.0, 4: 50.0}
+PRUNED = {1: 25.0, 2: 36.0, 4: 40.0}
+
+
+def load_row(clients: int, rate: float | None) -> dict[str, Any]:
+    """One level as `prunewatch bench load` writes it (prunewatch/bench/load.py `summarise`)."""
+    return {"clients": clients, "window_s": 30.0, "requests": 10, "finished": 9, "cut": 1, "unserved": 0, "errors": {},
+            "tokens": 0 if rate is None else round(rate * 30), "aggregate_tokens_per_s": rate,
+            "per_client_tokens_per_s": None if rate is None else rate / clients, "tpot_p50_ms": 50.0,
+            "tpot_p99_ms": 80.0, "ttft_p50_ms": 200.0, "ttft_p99_ms": 300.0, "mean_decode_pruning_ratio": 0.0,
+            "mean_batch_size": float(clients), "scaling_vs_1_client": 1.0}
+
+
+def load_result(dense: dict[int, float | None] | None = None, pruned: dict[int, float | None] | None = None,
+                **top: Any) -> dict[str, Any]:
+    """A results file's content in the schema `prunewatch bench load` writes."""
+    dense = DENSE if dense is None else dense
+    pruned = PRUNED if pruned is None else pruned
+    return {"created_at": "2026-12-01T10:00:00Z", "command": "prunewatch bench load --clients 1,2,4",
+            "machine": {"device": "cpu", "cpu": "Test CPU 9000", "cpus": 2, "torch_threads": 2},
+            "model": {"name": "SmolLM2-135M-Instruct", "path": "/models/SmolLM2-135M-Instruct"},
+            "levels": sorted(dense), "window_s": 30.0, "max_tokens": 64, "threads": 2,
+            "prompts": "63 held-out evaluation prompts, cycled", "server": "prunewatch serve", "method": {},
+            "series": {"dense": [load_row(c, r) for c, r in sorted(dense.items())],
+                       "default": [load_row(c, r) for c, r in sorted(pruned.items())]},
+            "duration_s": 200.0, **top}
+
+
+def write_load(tmp_path: Path, content: Any = None, name: str = "load.json") -> Path:
+    """A results file in `tmp_path`: the default load run, or `content` as given."""
+    path = tmp_path / name
+    path.write_text(json.dumps(load_result() if content is None else content))
+    return path

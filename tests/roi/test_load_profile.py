@@ -23,48 +23,13 @@ from prunewatch.roi import (
 )
 from prunewatch.roi.load_profile import UnmeasuredConcurrencyError, cost_per_mtok
 from prunewatch.roi.tables import load_caption, load_rows, to_csv
-from tests.roi.factories import WINDOW, measured_basis_results
+from tests.roi.factories import WINDOW, load_result, load_row, measured_basis_results, write_load
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "bench" / "results" / "load-cpu.json"
 # Round assumptions (all user-entered), as in test_costs: 45000 requests a day, $2 per GPU hour, 50% utilisation.
 HAND = dict(requests_per_day=45_000, gpu_hourly_usd=2.0, gpu_utilisation=0.5, incident_cost_usd=1.0,
             input_usd_per_mtok=1.0, output_usd_per_mtok=4.0, implementation_cost_usd=1_000.0)
-# Aggregate tokens/s: pruning is faster alone, even at 2 clients, slower at 4 (as batching does to it).
-DENSE = {1: 20.0, 2: 36.0, 4: 50.0}
-PRUNED = {1: 25.0, 2: 36.0, 4: 40.0}
-
-
-def _row(clients: int, rate: float | None) -> dict[str, Any]:
-    """One level as `prunewatch bench load` writes it (prunewatch/bench/load.py `summarise`)."""
-    return {"clients": clients, "window_s": 30.0, "requests": 10, "finished": 9, "cut": 1, "unserved": 0, "errors": {},
-            "tokens": 0 if rate is None else round(rate * 30), "aggregate_tokens_per_s": rate,
-            "per_client_tokens_per_s": None if rate is None else rate / clients, "tpot_p50_ms": 50.0,
-            "tpot_p99_ms": 80.0, "ttft_p50_ms": 200.0, "ttft_p99_ms": 300.0, "mean_decode_pruning_ratio": 0.0,
-            "mean_batch_size": float(clients), "scaling_vs_1_client": 1.0}
-
-
-def load_result(dense: dict[int, float | None] | None = None, pruned: dict[int, float | None] | None = None,
-                **top: Any) -> dict[str, Any]:
-    """A results file's content in the schema `prunewatch bench load` writes."""
-    dense = DENSE if dense is None else dense
-    pruned = PRUNED if pruned is None else pruned
-    return {"created_at": "2026-12-01T10:00:00Z", "command": "prunewatch bench load --clients 1,2,4",
-            "machine": {"device": "cpu", "cpu": "Test CPU 9000", "cpus": 2, "torch_threads": 2},
-            "model": {"name": "SmolLM2-135M-Instruct", "path": "/models/SmolLM2-135M-Instruct"},
-            "levels": sorted(dense), "window_s": 30.0, "max_tokens": 64, "threads": 2,
-            "prompts": "63 held-out evaluation prompts, cycled", "server": "prunewatch serve", "method": {},
-            "series": {"dense": [_row(c, r) for c, r in sorted(dense.items())],
-                       "default": [_row(c, r) for c, r in sorted(pruned.items())]},
-            "duration_s": 200.0, **top}
-
-
-def write_load(tmp_path: Path, content: Any = None, name: str = "load.json") -> Path:
-    path = tmp_path / name
-    path.write_text(json.dumps(load_result() if content is None else content))
-    return path
-
-
 def test_a_results_file_is_read_with_where_it_came_from(tmp_path: Path) -> None:
     path = write_load(tmp_path)
     profile = LoadProfile.from_file(path)
@@ -118,7 +83,7 @@ def test_the_cost_table_says_where_pruning_stops_paying_and_how_it_was_obtained(
     assert (rows[2]["Dense $/1M output tokens"], rows[2]["Pruned $/1M output tokens"]) == ("$20.00", "$25.00")
     caption = load_caption(result.inputs.load, hourly)
     assert "Tokens/s measured (" in caption and "at $3.60 per GPU hour (user-entered)" in caption
-    assert caption.endswith("The deployment's concurrency, 4 clients, is user-entered.")
+    assert caption.endswith("The deployment's concurrency, 4 concurrent clients, is user-entered.")
 
 
 def test_under_load_gpu_time_is_output_tokens_over_aggregate_throughput(tmp_path: Path) -> None:
@@ -216,7 +181,7 @@ def test_without_a_load_run_the_basis_is_the_probes_as_before() -> None:
     ({"levels": [1]}, r"load results file .*load.json has no series; is it a `prunewatch bench load` result\?$"),
     (load_result(pruned={}), r"load results file .*load.json has no default series \(it holds: default, dense\); "
                              r"the ROI needs both, measured in the same run$"),
-    ({**load_result(), "series": {"llama.cpp F32": [_row(1, 50.0)]}},
+    ({**load_result(), "series": {"llama.cpp F32": [load_row(1, 50.0)]}},
      r"has no dense and no default series \(it holds: llama.cpp F32\)"),
     (load_result(pruned={1: 25.0, 2: 0.0, 4: 40.0}),
      r"load results file .*load.json: default at 2 clients has aggregate_tokens_per_s 0.0; a throughput must be "

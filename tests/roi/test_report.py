@@ -243,3 +243,101 @@ def test_roi_command_on_a_taken_port_is_one_line_before_streamlit_starts(collect
     assert outcome.exit_code == 2
     assert outcome.output.startswith(f"error: cannot serve the ROI app on 127.0.0.1:{port}: ")
     assert len(outcome.output.strip().splitlines()) == 1
+
+
+def _load_point(tmp_path: Path, clients: int = 4):
+    from prunewatch.roi import LoadPoint, LoadProfile
+    from tests.roi.factories import write_load
+
+    return LoadPoint.choose(LoadProfile.from_file(write_load(tmp_path)), clients)
+
+
+def test_report_under_load_has_its_section_and_prices_time_from_the_load_run(tmp_path: Path) -> None:
+    """At 4 clients of the factory's run pruned serving is 0.80x dense: the report says it does not pay there,
+    shows cost per 1M output tokens at each measured level, and never calls the load run's CPU time GPU time."""
+    from prunewatch.roi import report as content
+    from prunewatch.roi.report import build_report
+    from prunewatch.roi.report_html import render_html
+    from tests.roi.factories import T0, WINDOW, measured_basis_results
+
+    load = _load_point(tmp_path)
+    data = build_report(measured_basis_results(), WINDOW, Assumptions(gpu_hourly_usd=3.6), 30, now=T0, load=load)
+    headings = [block.text for block in data.blocks if isinstance(block, content.Heading)]
+    assert headings.index("Throughput under load") == headings.index("Savings and their basis") + 1
+    words = _words(data)
+    basis = data.result.inputs.describe_basis()
+    assert basis.startswith("Measured under load: at 4 concurrent clients (user-entered)")
+    assert words.count(basis) >= 2  # the summary's "before and after" and the section itself
+    assert "A pruned token is cheaper than a dense one at 1 concurrent client, and not at 2 and 4 concurrent clients." \
+        in words
+    table = next(block for block in data.blocks if isinstance(block, content.Table)
+                 and block.title == "Cost per 1M output tokens by concurrency, dense vs pruned")
+    assert table.rows[2] == ("4 (deployment)", "50.0", "40.0", "0.80x", "$20.00", "$25.00", "costs 25% more")
+    assert table.rows[0][4:] == ("$50.00", "$40.00", "saves 20%")
+    assert "CPU time per request under load (4 concurrent clients, measured on cpu: Test CPU 9000, 2 threads) is " \
+           "1.000 s before pruning (measured-under-load) and 1.250 s after (measured-under-load)" in words
+    assert "it was not measured on a GPU" in words  # the load run ran on a CPU and is priced at a GPU hour
+    assert "time per request comes from the load run's aggregate tokens/s" in words
+    assert "probes run one request at a time" not in words
+    page = render_html(data)
+    assert "<h2>Throughput under load</h2>" in page and "<td>4 (deployment)</td>" in page
+
+    plain = build_report(measured_basis_results(), WINDOW, Assumptions(gpu_hourly_usd=3.6), 30, now=T0)
+    assert "Throughput under load" not in [b.text for b in plain.blocks if isinstance(b, content.Heading)]
+    assert "probes run one request at a time" in _words(plain) and "under load" not in _words(plain)
+
+
+@pytest.mark.slow
+def test_report_command_with_load_results_writes_the_section_into_the_pdf(collected_sqlite: str, tmp_path: Path) -> None:
+    from tests.roi.factories import write_load
+
+    path = write_load(tmp_path)
+    pdf = tmp_path / "report.pdf"
+    outcome = CliRunner().invoke(_cli(), ["report", "--db", collected_sqlite, "--out", str(pdf),
+                                          "--load-results", str(path), "--concurrency", "2"])
+    assert outcome.exit_code == 0, outcome.output
+    assert "(measured-under-load CPU time after pruning at 2 concurrent clients)" in outcome.output
+    text = _text(pdf)
+    assert "Throughput under load" in text and "Cost per 1M output tokens by concurrency, dense vs pruned" in text
+    assert "Measured under load: at 2 concurrent clients (user-entered)" in text
+    assert "2 (deployment)" in text and "no change" in text  # 36.0 tokens/s both ways at 2 clients
+    # The table's prices at the default $0.91 per GPU hour (assumed-default): 0.91 / (20 x 3600) x 1e6 = $12.64.
+    assert "$12.64" in text and "$0.91 per GPU hour (assumed-default)" in text
+    page = pdf.with_suffix(".html").read_text(encoding="utf-8")
+    assert "<h2>Throughput under load</h2>" in page
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "4"], "error: --concurrency needs --load-results (a `prunewatch bench load` result)"),
+    (["--load-results", "{load}"], "error: --load-results needs --concurrency, one of the levels {load} measured: "
+                                   "1, 2, 4"),
+    (["--load-results", "{load}", "--concurrency", "3"],
+     "error: concurrency 3 was not measured in {load}; measured levels: 1, 2, 4 (or measure it: prunewatch bench load "
+     "--clients 3)"),
+    (["--load-results", "{absent}", "--concurrency", "4"],
+     "error: no load results file at {absent}; run `prunewatch bench load` to write one"),
+    (["--load-results", "{bad}", "--concurrency", "4"],
+     "error: load results file {bad} is not JSON: Expecting value at line 1"),
+])
+def test_report_command_rejects_a_bad_load_run_in_one_line(args, message, tmp_path: Path) -> None:
+    from tests.roi.factories import write_load
+
+    paths = {"load": str(write_load(tmp_path)), "absent": str(tmp_path / "absent.json"), "bad": str(tmp_path / "bad.json")}
+    (tmp_path / "bad.json").write_text("nope")
+    pdf = tmp_path / "r.pdf"
+    outcome = CliRunner().invoke(_cli(), ["report", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--out", str(pdf),
+                                          *[arg.format(**paths) for arg in args]])
+    assert outcome.exit_code == 2
+    assert outcome.output.strip() == message.format(**paths)
+    assert not pdf.exists() and not (tmp_path / "x.db").exists()
+
+
+def test_roi_command_checks_the_load_run_before_starting(tmp_path: Path) -> None:
+    from tests.roi.factories import write_load
+
+    path = write_load(tmp_path)
+    outcome = CliRunner().invoke(_cli(), ["roi", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--load-results", str(path),
+                                          "--concurrency", "8"])
+    assert outcome.exit_code == 2
+    assert outcome.output.strip() == (f"error: concurrency 8 was not measured in {path}; measured levels: 1, 2, 4 "
+                                      "(or measure it: prunewatch bench load --clients 8)")
