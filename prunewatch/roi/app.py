@@ -2,7 +2,8 @@
 
 Every number comes from the pure core (prunewatch.roi.calculator, prunewatch.roi.analysis, prunewatch.roi.tables), so the app,
 its CSV and the CFO report agree. The store URL comes from PRUNEWATCH_DB_URL or from
-`-- --db URL` after the script path; PRUNEWATCH_ROI_PASSWORD, when set, locks the app.
+`-- --db URL` after the script path; PRUNEWATCH_ROI_PASSWORD, when set, locks the app;
+PRUNEWATCH_ROI_LOAD_RESULTS, when set, prices time per request from a load run at the selected concurrency.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, SupportsFloat
 import pandas as pd
 import streamlit as st
 from annotated_types import Ge, Gt, Le
+from pydantic import ValidationError
 
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store import safe_url
@@ -26,6 +28,7 @@ from prunewatch.roi.calculator import calculate
 from prunewatch.roi.costs import Basis
 from prunewatch.roi.errors import RoiError
 from prunewatch.roi.formatting import number, pct
+from prunewatch.roi.load_profile import LoadPoint, LoadProfile
 from prunewatch.roi.measured import (
     PROBE_MODEL_CAVEAT,
     MeasuredSummary,
@@ -35,9 +38,19 @@ from prunewatch.roi.measured import (
     summarize,
     trend,
 )
+from prunewatch.roi.provenance import InputValue, Provenance
 from prunewatch.roi.settings import WINDOW_CHOICES_DAYS, RoiAppSettings
 from prunewatch.roi.store import load_results
-from prunewatch.roi.tables import basis_text, cost_rows, headlines, input_rows, quality_rows, to_csv
+from prunewatch.roi.tables import (
+    basis_text,
+    cost_rows,
+    headlines,
+    input_rows,
+    load_caption,
+    load_rows,
+    quality_rows,
+    to_csv,
+)
 
 ALL_TARGETS = "All targets"
 ALL_MODELS = "All models"
@@ -139,6 +152,37 @@ def assumption_inputs(summary_hint: MeasuredSummary) -> dict[str, Any]:
     return values
 
 
+def choose_load(settings: RoiAppSettings) -> LoadPoint | None:
+    """The load run at the concurrency picked in the sidebar (among its measured levels), or None without one.
+
+    Starts at the configured concurrency (user-entered) or at the run's highest level (assumed-default, the busiest
+    load measured); picking another level makes it user-entered. Raises RoiError for a bad file or level."""
+    if settings.load_results is None:
+        return None
+    profile = LoadProfile.from_file(settings.load_results)
+    start = settings.concurrency if settings.concurrency is not None else profile.concurrencies[-1]
+    profile.at(start)  # a configured level the run did not measure is an error naming the measured ones
+    st.sidebar.subheader("Throughput under load")
+    chosen = st.sidebar.selectbox(
+        "Concurrent clients (deployment)", profile.concurrencies, index=profile.concurrencies.index(start),
+        key="concurrency", help="Time per request = output tokens / aggregate tokens/s measured at this many "
+                                f"concurrent clients ({profile.source}).")
+    entered = settings.concurrency is not None or chosen != start
+    return LoadPoint.choose(profile, chosen, Provenance.USER_ENTERED if entered else Provenance.ASSUMED_DEFAULT)
+
+
+def show_load(load: LoadPoint, hourly: InputValue) -> None:
+    """Cost per 1M output tokens, dense vs pruned, at every measured concurrency: where pruning stops paying."""
+    st.subheader("Throughput under load")
+    left, right = st.columns([3, 2])
+    with left:
+        st.table(load_rows(load, hourly))
+        st.caption(load_caption(load, hourly))
+    with right:
+        st.altair_chart(app_charts.load_cost_chart(load.profile.cost_rows(hourly.value), load.concurrency),
+                        width="stretch")
+
+
 def show_measured(summary: MeasuredSummary) -> None:
     """What the store measured in the window: counts, ratio, quality kept."""
     st.subheader("Measured in the window")
@@ -163,7 +207,11 @@ def show_measured(summary: MeasuredSummary) -> None:
 
 def main() -> None:
     st.set_page_config(page_title="prunewatch ROI", layout="wide")
-    settings = app_settings(sys.argv[1:])
+    try:
+        settings = app_settings(sys.argv[1:])
+    except ValidationError as exc:
+        st.error(f"invalid setting: {exc.errors()[0].get('msg')}")
+        return
     if not authorised(settings):
         return
     st.title("Pruning ROI")
@@ -195,9 +243,14 @@ def main() -> None:
         st.error(f"invalid input: {exc}")
         return
     swing = st.sidebar.slider("Sensitivity range (± %)", 5, 50, 20, step=5, key="sensitivity_pct")
+    try:
+        load = choose_load(settings)
+    except RoiError as exc:
+        st.error(str(exc))
+        return
 
     try:
-        summary, result = calculate(results, window, assumptions, target, model)
+        summary, result = calculate(results, window, assumptions, target, model, load)
     except RoiError as exc:
         st.warning(str(exc))
         show_measured(hint)
@@ -209,6 +262,8 @@ def main() -> None:
     st.info(f"{basis_text(summary, result)} Cost basis — {basis.value}: {basis.description}.")
     if summary.uses_probe_model:
         st.caption(PROBE_MODEL_CAVEAT)
+    if load is not None:
+        show_load(load, result.inputs.gpu_hourly_usd)
     show_measured(summary)
 
     left, right = st.columns(2)

@@ -8,6 +8,7 @@ import altair as alt
 import pandas as pd
 
 from prunewatch.roi.analysis import ProjectionPoint, SensitivityRow, WaterfallStep
+from prunewatch.roi.load_profile import LoadCostRow
 from prunewatch.roi.measured import ScatterPoint, TrendPoint
 
 BEFORE, AFTER, SAVING, INCREASE = "#9aa5b1", "#1f77b4", "#2ca02c", "#d62728"
@@ -110,3 +111,19 @@ def sensitivity_chart(rows: Sequence[SensitivityRow], pct: float, base_usd: floa
     base = alt.Chart(pd.DataFrame([{"base": base_usd}])).mark_rule(strokeDash=[4, 4]).encode(x="base:Q")
     # LayerChart directly: alt.layer() may return a FacetChart, which it does only for facet encodings (none here).
     return alt.LayerChart(layer=[span, dots, base]).properties(height=height)
+
+
+def load_cost_chart(rows: Sequence[LoadCostRow], concurrency: int) -> alt.LayerChart:
+    """Cost per 1M output tokens, dense vs pruned, by concurrent clients; a rule marks the deployment's level."""
+    frame = pd.DataFrame([{"Concurrent clients": row.level.clients, "Configuration": name, "$ per 1M output tokens": value}
+                          for row in rows for name, value in (("dense", row.dense_usd_per_mtok),
+                                                              ("pruned", row.pruned_usd_per_mtok))])
+    x = alt.X("Concurrent clients:Q", scale=alt.Scale(type="log", base=2),
+              axis=alt.Axis(values=[row.level.clients for row in rows], format="d"))
+    lines = alt.Chart(frame).mark_line(point=True).encode(
+        x=x, y=alt.Y("$ per 1M output tokens:Q", axis=alt.Axis(format="$,.2f")),
+        color=alt.Color("Configuration:N", scale=alt.Scale(domain=["pruned", "dense"], range=[AFTER, BEFORE]),
+                        legend=alt.Legend(orient="bottom")),
+        tooltip=["Configuration", "Concurrent clients", alt.Tooltip("$ per 1M output tokens:Q", format="$,.2f")])
+    rule = alt.Chart(pd.DataFrame([{"Concurrent clients": concurrency}])).mark_rule(strokeDash=[4, 4]).encode(x=x)
+    return alt.LayerChart(layer=[lines, rule]).properties(height=260)

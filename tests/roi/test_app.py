@@ -9,12 +9,13 @@ from streamlit.testing.v1 import AppTest
 
 from prunewatch.records.settings import STORE_URL_ENV as DB_URL_ENV
 from prunewatch.records.store import connect, create_schema
-from prunewatch.roi import Assumptions, Basis, calculate
+from prunewatch.roi import Assumptions, Basis, LoadPoint, LoadProfile, Provenance, calculate
 from prunewatch.roi.app import current_window
 from prunewatch.roi.measured import PROBE_MODEL_CAVEAT
-from prunewatch.roi.settings import PASSWORD_ENV
+from prunewatch.roi.settings import CONCURRENCY_ENV, LOAD_RESULTS_ENV, PASSWORD_ENV
 from prunewatch.roi.store import load_results
 from prunewatch.roi.tables import headlines
+from tests.roi.factories import write_load
 
 APP = Path(__file__).resolve().parents[2] / "prunewatch" / "roi" / "app.py"
 TIMEOUT_S = 90  # the first run imports pandas/altair and reads the store; CI machines are shared
@@ -36,9 +37,9 @@ def _metrics(app: AppTest) -> dict[str, str]:
     return {metric.label: metric.value for metric in app.metric}
 
 
-def _expected(url: str, basis: Basis, **changes) -> dict[str, str]:
+def _expected(url: str, basis: Basis, load: LoadPoint | None = None, **changes) -> dict[str, str]:
     window = current_window(30)
-    _, result = calculate(load_results(url, window), window, Assumptions(**changes))
+    _, result = calculate(load_results(url, window), window, Assumptions(**changes), load=load)
     return {h.label: h.value for h in headlines(result, basis)}
 
 
@@ -135,3 +136,61 @@ def test_password_from_env_guards_every_number(monkeypatch, collected_sqlite: st
     app.text_input(key="roi_password").input("s3cret")
     app.button[0].click().run()
     assert _metrics(app)["Savings / month"] == _expected(collected_sqlite, Basis.ALLOCATION)["Savings / month"]
+
+
+def _load_table(app: AppTest):
+    return next(table.value for table in app.table if "Concurrent clients" in table.value.columns)
+
+
+def test_a_load_results_setting_prices_time_under_load_and_shows_cost_per_million_tokens(
+        monkeypatch, collected_sqlite: str, tmp_path: Path) -> None:
+    path = write_load(tmp_path)
+    monkeypatch.setenv(LOAD_RESULTS_ENV, str(path))
+    monkeypatch.delenv(CONCURRENCY_ENV, raising=False)
+    app = _run(monkeypatch, collected_sqlite)
+    profile = LoadProfile.from_file(path)
+    # Nobody named the deployment's concurrency: the app starts at the run's highest level and says it assumed it.
+    assert app.info[0].value.startswith("Measured under load: at 4 concurrent clients (assumed-default)")
+    assert "GPU time" not in app.info[0].value
+    expected = _expected(collected_sqlite, Basis.ALLOCATION, LoadPoint.choose(profile, 4, Provenance.ASSUMED_DEFAULT))
+    metrics = _metrics(app)
+    assert {label: metrics[label] for label in expected} == expected
+    table = _load_table(app)
+    assert list(table["Concurrent clients"]) == ["1", "2", "4 (deployment)"]
+    # The default $0.91 per GPU hour: 0.91 / (tok/s x 3600) x 1e6 per 1M output tokens.
+    assert list(table["Dense $/1M output tokens"]) == ["$12.64", "$7.02", "$5.06"]
+    assert list(table["Pruned $/1M output tokens"]) == ["$10.11", "$7.02", "$6.32"]
+    assert list(table["Pruning"]) == ["saves 20%", "no change", "costs 25% more"]
+    assert any(c.value.startswith("Tokens/s measured (") and "(assumed-default)" in c.value for c in app.caption)
+    specs = [chart.proto.spec for chart in app.get("vega_lite_chart")]
+    assert sum("$ per 1M output tokens" in spec for spec in specs) == 1  # the chart beside the table
+    provenance = _provenance(app)
+    assert provenance["Concurrent clients (deployment)"] == "assumed-default"
+    assert provenance["Aggregate output tokens/s after pruning (default, under load)"] == "measured"
+
+    app.selectbox(key="concurrency").set_value(1).run()
+    assert not app.exception
+    assert app.info[0].value.startswith("Measured under load: at 1 concurrent client (user-entered)")
+    expected = _expected(collected_sqlite, Basis.ALLOCATION, LoadPoint.choose(profile, 1))
+    metrics = _metrics(app)
+    assert {label: metrics[label] for label in expected} == expected
+    assert list(_load_table(app)["Concurrent clients"]) == ["1 (deployment)", "2", "4"]
+    assert _provenance(app)["Concurrent clients (deployment)"] == "user-entered"
+
+
+def test_a_configured_concurrency_starts_there_and_an_unmeasured_one_is_named(
+        monkeypatch, collected_sqlite: str, tmp_path: Path) -> None:
+    path = write_load(tmp_path)
+    monkeypatch.setenv(LOAD_RESULTS_ENV, str(path))
+    monkeypatch.setenv(CONCURRENCY_ENV, "2")
+    app = _run(monkeypatch, collected_sqlite)
+    assert app.info[0].value.startswith("Measured under load: at 2 concurrent clients (user-entered)")
+    monkeypatch.setenv(CONCURRENCY_ENV, "3")
+    app = _run(monkeypatch, collected_sqlite)
+    assert app.error[0].value == (f"concurrency 3 was not measured in {path}; measured levels: 1, 2, 4 (or measure "
+                                  "it: prunewatch bench load --clients 3)")
+    assert "Savings / month" not in _metrics(app)
+    monkeypatch.setenv(LOAD_RESULTS_ENV, str(tmp_path / "absent.json"))
+    monkeypatch.delenv(CONCURRENCY_ENV)
+    app = _run(monkeypatch, collected_sqlite)
+    assert app.error[0].value.startswith(f"no load results file at {tmp_path / 'absent.json'}")
