@@ -211,3 +211,17 @@ def test_a_missing_file_and_an_unmeasured_concurrency_name_the_fix(tmp_path: Pat
     assert str(unmeasured.value) == (f"concurrency 3 was not measured in {path}; measured levels: 1, 2, 4 (or measure "
                                      "it: prunewatch bench load --clients 3)")
     assert isinstance(unmeasured.value, LoadProfileError)
+
+
+def test_the_readme_under_load_table_is_the_committed_run_at_the_placeholder_price() -> None:
+    """The README's 'ROI under load' rows, re-rendered from the committed run at the assumed $0.91 per GPU hour."""
+    from prunewatch.records.prices import PLACEHOLDER_GPU_USD_PER_HOUR
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert PLACEHOLDER_GPU_USD_PER_HOUR == 0.91 and "placeholder $0.91\nper GPU hour (assumed" in readme
+    for row in LoadProfile.from_file(COMMITTED).cost_rows(PLACEHOLDER_GPU_USD_PER_HOUR):
+        level = row.level
+        line = (f"| {level.clients} | {level.dense_tokens_per_s:.1f} | {level.pruned_tokens_per_s:.1f} | "
+                f"{level.pruned_vs_dense:.2f}x | ${row.dense_usd_per_mtok:.2f} | ${row.pruned_usd_per_mtok:.2f} |")
+        assert line in readme, line
+    assert f"before × {LoadProfile.from_file(COMMITTED).at(4).time_factor:.3f}" in readme
