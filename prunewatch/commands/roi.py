@@ -19,40 +19,30 @@ from prunewatch.records.settings import DEFAULT_STORE_URL, STORE_URL_ENV
 from prunewatch.roi.settings import CONCURRENCY_ENV, LOAD_RESULTS_ENV
 
 if TYPE_CHECKING:
-    from prunewatch.roi.load_profile import LoadPoint, LoadProfile
+    from prunewatch.roi.load_profile import LoadPoint
 
 LOAD_RESULTS_HELP = ("Results JSON of `prunewatch bench load`: price time per request from its measured aggregate "
                      "tokens/s at --concurrency, not from the probes' one-request-at-a-time times.")
 
 
-def _profile(path: Path) -> LoadProfile:
-    """The load run in `path`, or a one-line `error:` exit (missing file, not JSON, no dense/default series)."""
-    from prunewatch.roi.errors import RoiError
-    from prunewatch.roi.load_profile import LoadProfile
-
-    try:
-        return LoadProfile.from_file(path)
-    except RoiError as exc:
-        raise fail(str(exc))
-
-
 def _load_point(load_results: Path | None, concurrency: int | None, *, required: bool) -> LoadPoint | None:
-    """The load run at the deployment's concurrency (None without a file); `required`: the report needs the
-    concurrency named, because a default would price a load nobody stated."""
+    """The load run at the deployment's concurrency (None without a file), or a one-line `error:` exit for a bad
+    file or an unmeasured level. `required`: the report needs the concurrency named, because a default would price
+    a load nobody stated (the app starts at the run's highest level and labels it assumed-default)."""
     from prunewatch.roi.errors import RoiError
-    from prunewatch.roi.load_profile import LoadPoint
+    from prunewatch.roi.load_profile import LoadPoint, LoadProfile
 
     if load_results is None:
         if concurrency is not None:
             raise fail("--concurrency needs --load-results (a `prunewatch bench load` result)")
         return None
-    profile = _profile(load_results)
-    if concurrency is None:
-        if required:
-            raise fail(f"--load-results needs --concurrency, one of the levels {load_results} measured: "
-                       f"{', '.join(map(str, profile.concurrencies))}")
-        return None
     try:
+        profile = LoadProfile.from_file(load_results)
+        if concurrency is None:
+            if required:
+                raise fail(f"--load-results needs --concurrency, one of the levels {load_results} measured: "
+                           f"{', '.join(map(str, profile.concurrencies))}")
+            return None
         return LoadPoint.choose(profile, concurrency)
     except RoiError as exc:
         raise fail(str(exc))
