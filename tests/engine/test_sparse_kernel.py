@@ -32,7 +32,7 @@ def _case(rows: int, n_in: int, n_out: int, seed: int, bias: bool = True):
 
 
 @pytest.mark.parametrize("threads", [0, 1])  # all of torch's threads (per-thread partial sums), or one
-@pytest.mark.parametrize("rows", [1, 3, 4])  # 3: rows paired in the kernel plus an odd one
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])  # 3: rows paired plus an odd one; 4, 7: four-row passes, then the rest
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_equals_dense_matmul_of_the_masked_input(rows, shape, threads):
     n_in, n_out = shape
@@ -46,6 +46,20 @@ def test_kernel_equals_dense_matmul_of_the_masked_input(rows, shape, threads):
     torch.testing.assert_close(result.output, expected, rtol=1e-5, atol=1e-5)
     assert result.active_channels == int(mask.any(dim=0).sum())
     assert result.kept_entries == int(mask.sum())
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_rows_dense_output_is_bitwise_the_same_alone_and_among_other_rows(shape, threads):
+    """Reading every channel (threshold -1, as a row-invariant plan does), each row's sums do not depend on the rows
+    beside it, whatever pass (four, two or one rows) computes it: a batched dense request decodes its own tokens."""
+    n_in, n_out = shape
+    x, weight, bias = _case(12, n_in, n_out, seed=n_in + n_out)
+    wt, scale = weight.t().contiguous(), torch.ones(n_in)
+    alone = torch.cat([sparse_linear(x[r:r + 1], wt, bias, scale, -1.0, threads=threads).output for r in range(12)])
+    for rows in (2, 3, 4, 5, 8, 12):
+        together = sparse_linear(x[:rows], wt, bias, scale, -1.0, threads=threads).output
+        assert torch.equal(together, alone[:rows]), rows
 
 
 @pytest.mark.parametrize("rows", [1, 4])

@@ -51,7 +51,7 @@ namespace {
 
 constexpr int64_t kGroup = 8;   // active weight rows combined per pass
 constexpr int64_t kMaxTile = 768;  // output columns per tile at most: 8 x 768 x 4 B = 24 KiB of weights in L1
-constexpr int64_t kMinWorkPerThread = 1 << 16;  // multiply-adds below which one thread does it all
+constexpr int64_t kMinWorkPerThread = 1 << 16;  // weights read below which one thread does it all
 
 // Weight rows are requested into L2 (prefetcht1) one unit of work ahead: the next group of kGroup rows
 // (fp32, int8) or the next int4 group's active rows. A call's rows are short interleaved streams (8 to 32
@@ -343,8 +343,9 @@ void accumulate_int4(const Selection& sel, const uint8_t* wt, const at::Half* sc
       }
     }
   };
-  // As for the other formats: a thread gets at least kMinWorkPerThread weights, else one thread does it all.
-  const int64_t min_grain = std::max<int64_t>(1, kMinWorkPerThread * spans / std::max<int64_t>(1, n * out * rows));
+  // As for the other formats: a thread gets at least kMinWorkPerThread weights (read, not multiply-adds: the same
+  // split for any number of rows), else one thread does it all.
+  const int64_t min_grain = std::max<int64_t>(1, kMinWorkPerThread * spans / std::max<int64_t>(1, n * out));
   const int64_t grain = std::max(min_grain, (spans + num_threads - 1) / num_threads);
   if (num_threads == 1 || spans <= grain) {
     body(0, spans);
@@ -360,6 +361,43 @@ int64_t tile_width(int64_t out) {
   const int64_t tiles = std::max<int64_t>(1, (out + kMaxTile - 1) / kMaxTile);
   const int64_t even = (out + tiles - 1) / tiles;
   return (even + 15) / 16 * 16;
+}
+
+// Four rows of fp32 weights at once: acc_b[o0, o1) += sum over k of c[k * rows + b] * w[k][o0, o1) for b in
+// [first, first + 4). Each weight vector loaded feeds four rows and each coefficient broadcast feeds two output
+// vectors, so a pass does 64 multiply-adds per 56 loads where the two-row loop below does 16 per 28: a batched
+// decode step of 4 to 8 rows is bound by these loads, not by the weights' bytes. Each row's sum runs over k in the
+// same order, from zero, as the one- and two-row loops (one fused multiply-add per term, then one add into the
+// accumulator), so a row's output does not depend on the rows beside it. Returns the first column it left.
+// Measured against the two-row loop (one thread, SmolLM2-135M's shapes, weights in cache, AVX2, two interleaved
+// runs): 4 rows 1.02-1.12x faster, 8 rows 1.04-1.19x.
+template <typename scalar_t>
+inline int64_t fp32_four_rows_into(const scalar_t* const* w, const float* c, int64_t rows, int64_t first,
+                                   float* acc, int64_t out, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    float* a[4] = {acc + first * out, acc + (first + 1) * out, acc + (first + 2) * out, acc + (first + 3) * out};
+    for (; o + 16 <= o1; o += 16) {
+      __m256 s[4][2];
+      for (int r = 0; r < 4; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < kGroup; ++k) {
+        const __m256 w0 = _mm256_loadu_ps(w[k] + o), w1 = _mm256_loadu_ps(w[k] + o + 8);
+        const float* ck = c + k * rows + first;
+        for (int r = 0; r < 4; ++r) {
+          const __m256 cr = _mm256_broadcast_ss(ck + r);
+          s[r][0] = _mm256_fmadd_ps(cr, w0, s[r][0]);
+          s[r][1] = _mm256_fmadd_ps(cr, w1, s[r][1]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_ps(a[r] + o, _mm256_add_ps(_mm256_loadu_ps(a[r] + o), s[r][0]));
+        _mm256_storeu_ps(a[r] + o + 8, _mm256_add_ps(_mm256_loadu_ps(a[r] + o + 8), s[r][1]));
+      }
+    }
+  }
+#endif
+  return o;
 }
 
 // Groups [begin, end) of a call's active channels, into the accumulator of the calling thread. A function
@@ -406,6 +444,19 @@ void accumulate_groups(const Selection& sel, const scalar_t* wt, const int64_t r
           for (int64_t k = 0; k < kGroup; ++k) prefetch_bytes(nk[k] + o0, (o1 - o0) * static_cast<int64_t>(sizeof(scalar_t)));
         }
         int64_t b = 0;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          for (; b + 3 < rows; b += 4) {
+            const int64_t left = fp32_four_rows_into(wk, c, rows, b, a, out, o0, o1);
+            for (int64_t r = b; r < b + 4; ++r) {  // the columns past the last full vector pair (none on AVX2 builds
+              float* __restrict__ ar = a + r * out;  // but a tile's odd end), in the same order
+              for (int64_t o = left; o < o1; ++o) {
+                float sum = 0.0f;
+                for (int64_t k = 0; k < kGroup; ++k) sum += c[k * rows + r] * wk[k][o];
+                ar[o] += sum;
+              }
+            }
+          }
+        }
         // Two rows per pass: each weight loaded from L1 feeds two accumulators.
         for (; b + 1 < rows; b += 2) {
           float p[kGroup], q[kGroup];
@@ -472,8 +523,10 @@ void accumulate(const Selection& sel, const scalar_t* wt, int64_t rows, int64_t 
   const int64_t groups = (n + kGroup - 1) / kGroup;
   // Contiguous ranges of groups per thread; each thread owns one (rows, out) accumulator. A thread
   // gets at least kMinWorkPerThread weights: waking a thread for less costs more than it saves,
-  // and on a busy host a parallel region waits for its slowest (descheduled) thread.
-  const int64_t min_grain = std::max<int64_t>(1, kMinWorkPerThread / (kGroup * out * std::max<int64_t>(rows, 1)));
+  // and on a busy host a parallel region waits for its slowest (descheduled) thread. Counted in weights read,
+  // not in multiply-adds: the split, and so the order of each row's partial sums, is then the same for any number
+  // of rows, so a row reading every channel gets the same output alone or in a batch.
+  const int64_t min_grain = std::max<int64_t>(1, kMinWorkPerThread / (kGroup * out));
   const int64_t grain = std::max(min_grain, (groups + num_threads - 1) / num_threads);  // <= num_threads chunks
   auto body = [&](int64_t begin, int64_t end) {
     accumulate_groups<scalar_t>(sel, wt, rows, out, acc, num_threads, n, begin, end);
