@@ -133,8 +133,8 @@ class RecordingEngine(FakeEngine):
         self.ran: list[tuple[str, int]] = []
         self.batchers: list = []
 
-    def new_batcher(self, max_batch: int, threads: int | None = None):
-        batcher = super().new_batcher(max_batch, threads)
+    def new_batcher(self, max_batch: int, threads: int | None = None, *, kv_budget_bytes: int | None = None):
+        batcher = super().new_batcher(max_batch, threads, kv_budget_bytes=kv_budget_bytes)
         self.batchers.append(batcher)
         return batcher
 

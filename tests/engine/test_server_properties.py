@@ -76,10 +76,11 @@ class FakeEngine:
     def decode_prompt(self, prompt_ids: list[int]) -> str:
         return bytes(prompt_ids).decode("utf-8", "replace")
 
-    def new_batcher(self, max_batch: int, threads: int | None = None) -> Any:
-        """No model to batch: a server with several workers holds this, hands it to `stream` (which ignores it)
-        and closes it when it stops."""
-        return SimpleNamespace(max_batch=max_batch, threads=threads, close=lambda: None)
+    def new_batcher(self, max_batch: int, threads: int | None = None, *, kv_budget_bytes: int | None = None) -> Any:
+        """No model to batch: a server with several workers holds this, checks each request against its KV budget
+        (no cache here: everything fits), hands it to `stream` (which ignores it) and closes it when it stops."""
+        return SimpleNamespace(max_batch=max_batch, threads=threads, kv_budget_bytes=kv_budget_bytes,
+                               kv_reserved_bytes=0, check_fits=lambda tokens: None, close=lambda: None)
 
     def render_raw(self, prompt: str) -> list[int]:
         ids = list(prompt.encode("utf-8"))
