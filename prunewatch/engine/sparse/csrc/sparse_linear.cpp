@@ -447,8 +447,9 @@ void accumulate_groups(const Selection& sel, const scalar_t* wt, const int64_t r
         if constexpr (std::is_same_v<scalar_t, float>) {
           for (; b + 3 < rows; b += 4) {
             const int64_t left = fp32_four_rows_into(wk, c, rows, b, a, out, o0, o1);
-            for (int64_t r = b; r < b + 4; ++r) {  // the columns past the last full vector pair (none on AVX2 builds
-              float* __restrict__ ar = a + r * out;  // but a tile's odd end), in the same order
+            // The columns it left (a tile's end short of 16, or every column without AVX2), in the same order.
+            for (int64_t r = b; r < b + 4; ++r) {
+              float* __restrict__ ar = a + r * out;
               for (int64_t o = left; o < o1; ++o) {
                 float sum = 0.0f;
                 for (int64_t k = 0; k < kGroup; ++k) sum += c[k * rows + r] * wk[k][o];
