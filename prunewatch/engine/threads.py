@@ -11,8 +11,9 @@ the thread that loaded the model kept its team while a worker started a second o
 
 So the thread that loads an engine releases its team when it hands the engine over (`release_openmp_team`),
 and generations run on `GenerationThreads`: long-lived threads, each configured at start with its share of
-the cores (`torch.set_num_threads` there sets that thread's OpenMP and MKL thread counts), so the process holds
-at most as many OpenMP threads as the configuration says, and a team is not rebuilt per request.
+the cores (`set_thread_intra_op_threads`: that thread's OpenMP and MKL thread counts, kept even when other threads
+are set to other counts before its first parallel region), so the process holds at most as many OpenMP threads as
+the configuration says, and a team is not rebuilt per request.
 """
 
 from __future__ import annotations
@@ -82,6 +83,20 @@ def default_threads(workers: int = 1) -> int:
     return max(1, torch.get_num_threads() // max(1, workers))
 
 
+def set_thread_intra_op_threads(count: int) -> None:
+    """Give the calling thread `count` intra-op threads, for good.
+
+    Why not `torch.set_num_threads` alone: torch sizes a thread's OpenMP team lazily, at that thread's first
+    parallel region or thread-count query, from the count the process last set on *any* thread. A thread set to 2
+    that reaches its first region after another thread was set to 1 silently runs with 1 (a batcher's stepper
+    whose requests' threads start with one each, for instance). Querying first does that lazy sizing now, so the
+    count set after it is the one this thread keeps."""
+    if count < 1:
+        raise ValueError(f"threads must be >= 1, got {count}")
+    torch.get_num_threads()  # torch's per-thread lazy initialisation, done before the count is set
+    torch.set_num_threads(count)  # this thread's OpenMP and MKL thread counts
+
+
 def _name_os_thread(name: str) -> None:
     """Give the calling thread `name` in the OS (Linux: what `top -H` and /proc show; 15 bytes). The OpenMP
     threads it starts inherit the name, so a generation thread's team is visible as such."""
@@ -104,7 +119,7 @@ def start_generation_thread(target: Callable[[], None], threads: int | None = No
         raise ValueError(f"threads must be >= 1, got {count}")
 
     def run() -> None:
-        torch.set_num_threads(count)
+        set_thread_intra_op_threads(count)
         _name_os_thread(name.replace("prunewatch-", "pw-"))
         logger.debug("%s started with %d intra-op threads", name, count)
         target()
@@ -134,7 +149,7 @@ class GenerationThreads:
 
     def _configure(self) -> None:
         """Runs once on each worker as it starts, before any generation."""
-        torch.set_num_threads(self.threads)  # this thread's OpenMP and MKL thread counts
+        set_thread_intra_op_threads(self.threads)
         _name_os_thread(threading.current_thread().name.replace("prunewatch-", "pw-"))
         with self._lock:
             self._idents.add(threading.get_ident())

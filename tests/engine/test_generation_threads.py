@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from prunewatch.collector.in_process import InProcessTarget
-from prunewatch.engine.threads import GenerationThreads, _name_os_thread, openmp_runtime, release_openmp_team
+from prunewatch.engine.sparse import sparse_linear
+from prunewatch.engine.threads import (
+    GenerationThreads,
+    _name_os_thread,
+    openmp_runtime,
+    release_openmp_team,
+    start_generation_thread,
+)
 from prunewatch.probes import Probe
 from prunewatch.server import ServerSettings, create_app
 from prunewatch.server.run import build_engine, serve_in_background
@@ -123,6 +130,46 @@ def test_releasing_a_threads_openmp_team_ends_its_team_threads() -> None:
     worker.start()
     worker.join(30)
     assert seen == {"team": 2, "released": True, "after": 1}
+
+
+def run_the_sparse_kernel() -> None:
+    """A call large enough that the kernel splits it across its thread's team."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight_t = torch.randn(2, 1024, generator=generator), torch.randn(1024, 1024, generator=generator)
+    sparse_linear(x, weight_t, None, torch.ones(1024), 0.0)
+
+
+@linux_openmp
+@pytest.mark.parametrize("first_work", [open_a_parallel_region, run_the_sparse_kernel], ids=["aten", "sparse-kernel"])
+def test_a_generation_thread_keeps_its_count_when_another_thread_is_set_to_one_before_its_first_region(
+        first_work) -> None:
+    """torch sizes a thread's team lazily from the count last set on any thread (and the sparse kernel's library
+    has its own copy of that step): a stepper set to 2 whose requests' threads were set to 1 before its first
+    region must still run its regions on 2."""
+    original = torch.get_num_threads()
+    configured, other_set, seen = threading.Event(), threading.Event(), {}
+
+    def stepper() -> None:
+        configured.set()
+        other_set.wait(10)
+        first_work()
+        seen["count"] = torch.get_num_threads()
+        seen["team"] = settle(lambda: os_threads_named("pw-keep"), 2)
+
+    def other() -> None:  # a request thread, configured after the stepper and before its first region
+        configured.wait(10)
+        torch.set_num_threads(1)
+        other_set.set()
+
+    thread = start_generation_thread(stepper, 2, name="prunewatch-keep")
+    helper = threading.Thread(target=other)
+    helper.start()
+    helper.join(30)
+    thread.join(30)
+    reset = threading.Thread(target=torch.set_num_threads, args=(original,))  # the count new threads start from
+    reset.start()
+    reset.join()
+    assert seen == {"count": 2, "team": 2}
 
 
 class RecordingEngine(FakeEngine):

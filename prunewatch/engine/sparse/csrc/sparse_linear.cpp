@@ -598,6 +598,20 @@ at::Tensor finish_quantized(const at::Tensor& acc, int64_t num_threads, int64_t 
   return y;
 }
 
+// torch sizes a thread's OpenMP team lazily, once per thread, from the count last set on *any* thread. The
+// once-per-thread flag lives in an inline function, so this library has its own copy: its first parallel_for on a
+// thread would size the team again and replace the count the thread was given (a batcher's stepper set to two
+// threads fell to one once its requests' threads had been set to one, halving its speed). Done here first, and
+// the thread's own count put back.
+void keep_thread_count() {
+  thread_local bool kept = false;
+  if (kept) return;
+  kept = true;
+  const int threads = at::get_num_threads();  // libtorch's count for this thread
+  at::internal::lazy_init_num_threads();  // this library's copy of the lazy sizing
+  if (at::get_num_threads() != threads) at::set_num_threads(threads);
+}
+
 // Returns (y (rows, out) in x's dtype, active channels read, kept (row, channel) entries).
 // keep < 0: row policy with `threshold`; keep >= 0: shared policy keeping `keep` channels.
 // threads <= 0: torch's intra-op thread count; 1: run on the calling thread only.
@@ -608,6 +622,7 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, cons
                                                        int64_t keep, int64_t threads,
                                                        const c10::optional<at::Tensor>& weight_scale) {
   check_inputs(x, wt, bias, scale, weight_scale);
+  keep_thread_count();
   const bool int4 = wt.scalar_type() == at::kByte;
   const int64_t rows = x.size(0), in = wt.size(0), out = int4 ? wt.size(1) * 2 : wt.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
