@@ -157,6 +157,24 @@ def split_ledger(total: ExecutionLedger, ledgers: list[ExecutionLedger]) -> None
         ledger.batch_rows += rows
 
 
+@dataclass(frozen=True)
+class StepperTime:
+    """Where the stepper's wall time went since it started, in seconds (measured with a monotonic clock): what
+    says why b requests decoding together get less than b times one request's throughput.
+
+    decode: batched decode steps; jobs: work run alone between steps (prefill chunks, quality passes); gather:
+    waiting, with rows due, for the other decoding requests' next rows (they detokenize and stream their last
+    token meanwhile); idle: nothing to run."""
+
+    decode_s: float = 0.0
+    jobs_s: float = 0.0
+    gather_s: float = 0.0
+    idle_s: float = 0.0
+    jobs: int = 0
+    step_s_by_rows: dict[int, float] = field(default_factory=dict)  # rows -> seconds of the steps of that many
+    steps_by_rows: dict[int, int] = field(default_factory=dict)  # rows -> decode steps run with that many
+
+
 @dataclass
 class _Row:
     """One request's next decode step, waiting for the stepper."""
@@ -217,12 +235,12 @@ class DecodeBatcher:
         self.gather_s = gather_s
         self.prefill_chunk = prefill_chunk
         self.sparse_rows = sparse_rows
-        self.batch_sizes: dict[int, int] = {}  # rows -> decode steps run with that many
         self.kv_bytes_per_token = kv_bytes_per_token  # every layer's key and value of one token
         self.kv_budget_bytes = kv_budget_bytes  # None: no bound
         self.kv_reserved_bytes = 0  # held by the requests in the batcher now
         self.kv_peak_bytes = 0  # the most held at once
         self.kv_waits = 0  # requests that waited for cache room
+        self._time = StepperTime()  # replaced whole under the lock (readers take a consistent copy)
         install_ragged_attention(instrumented.model)
         self._cond = threading.Condition()
         self._rows: list[_Row] = []
@@ -235,6 +253,16 @@ class DecodeBatcher:
     def decoding(self) -> int:
         """Requests between their prefill and their end: those a decode step waits for."""
         return self._decoding
+
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        """Rows -> decode steps run with that many, so far."""
+        return self.stepper_time().steps_by_rows
+
+    def stepper_time(self) -> StepperTime:
+        """Where the stepper's time went so far (a snapshot; safe to call from any thread)."""
+        with self._cond:
+            return self._time
 
     # -- request side ----------------------------------------------------------------------------------
     def kv_bytes_for(self, tokens: int) -> int:
@@ -319,8 +347,10 @@ class DecodeBatcher:
         last_was_step = False
         while True:
             with self._cond:
+                started = time.perf_counter()
                 while not self._closed and not self._rows and not self._jobs:
                     self._cond.wait()
+                waited = time.perf_counter()
                 if self._closed:
                     self._fail_waiting()
                     return
@@ -329,12 +359,25 @@ class DecodeBatcher:
                 else:
                     self._gather()
                     work = self._take_rows()
+                ran = time.perf_counter()
+                self._time = replace(self._time, idle_s=self._time.idle_s + waited - started,
+                                     gather_s=self._time.gather_s + ran - waited)
             if isinstance(work, _Job):
                 self._run_job(work)
                 last_was_step = False
             else:
                 self._run_rows(work)
                 last_was_step = True
+
+    def _record(self, rows: int, seconds: float) -> None:
+        """Add one step of `rows` rows (0: a job) that took `seconds` to the stepper's time (lock held)."""
+        t = self._time
+        if rows == 0:
+            self._time = replace(t, jobs_s=t.jobs_s + seconds, jobs=t.jobs + 1)
+            return
+        self._time = replace(t, decode_s=t.decode_s + seconds,
+                             step_s_by_rows={**t.step_s_by_rows, rows: t.step_s_by_rows.get(rows, 0.0) + seconds},
+                             steps_by_rows={**t.steps_by_rows, rows: t.steps_by_rows.get(rows, 0) + 1})
 
     def _gather(self) -> None:
         """Wait (lock held) up to gather_s for every decoding request to have its next step due."""
@@ -361,18 +404,21 @@ class DecodeBatcher:
             item.done.set()
         self._rows, self._jobs = [], deque()
 
-    @staticmethod
-    def _run_job(job: _Job) -> None:
+    def _run_job(self, job: _Job) -> None:
+        started = time.perf_counter()
         try:
             job.result = job.context.run(job.fn)
         except BaseException as exc:  # handed to the submitter, which raises it in its request
             job.error = exc
         finally:
+            with self._cond:
+                self._record(0, time.perf_counter() - started)
             job.done.set()
 
     @torch.no_grad()
     def _run_rows(self, rows: list[_Row]) -> None:
         model: Any = self.instrumented.model
+        started = time.perf_counter()
         try:
             plan = batch_plan([r.sequence.plan for r in rows], self.instrumented.num_layers, self.sparse_rows)
             device = next(model.parameters()).device
@@ -385,7 +431,6 @@ class DecodeBatcher:
                             logits_to_keep=1, ragged_step=RaggedStep([r.sequence.cache for r in rows]))
             split_ledger(total, [r.sequence.ledger for r in rows])
             logits = out.logits[:, -1]  # (B, V)
-            self.batch_sizes[len(rows)] = self.batch_sizes.get(len(rows), 0) + 1
             for index, row in enumerate(rows):
                 row.logits = logits[index]
         except BaseException as exc:  # every row of the step fails with it
@@ -393,6 +438,8 @@ class DecodeBatcher:
             for row in rows:
                 row.error = exc
         finally:
+            with self._cond:  # before the rows go on: a request that reads the counts sees its own step
+                self._record(len(rows), time.perf_counter() - started)
             for row in rows:
                 row.done.set()
 

@@ -55,6 +55,7 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
                if settings.workers > 1 else None)
     if batcher is not None:
         metrics.watch_kv_cache(lambda: batcher.kv_reserved_bytes, settings.kv_cache_mib * 2**20)
+        metrics.watch_stepper(batcher.stepper_time)
     queue = AdmissionQueue(settings.queue_depth, settings.workers, on_change=metrics.set_in_queue,
                            threads=1 if batcher is not None else engine.settings.threads)
     policy = PruningPolicy()  # per-domain defaults for requests without X-Pruning-Sensitivity (prunewatch/server/policy.py)

@@ -11,10 +11,13 @@ The engine fills `RequestStats`; `record_generation` is the exporter that turns 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from prunewatch.engine.batching import StepperTime
 from prunewatch.engine.stats import RequestStats
 from prunewatch.probes import Probe
 from prunewatch.records.engine_stats import probe_result_from_stats
@@ -23,6 +26,35 @@ from prunewatch.records.metrics import LATENCY_BUCKETS, CollectorMetrics, check_
 LIVE_PROBE = "live"
 SELF_TARGET = ""  # the collector's `target` label names a probed engine; an engine's own traffic has none
 NO_DOMAIN = "none"  # requests that ran dense (sensitivity 0, or no calibration): no domain matched
+
+class StepperTimeCollector(Collector):
+    """The batcher's stepper time (prunewatch.engine.batching.StepperTime) as counters, read at each scrape:
+    rate(prunewatch_batcher_seconds_total[1m]) by activity says where the cores went, and the step seconds over
+    the steps by rows what a decode step of that many rows costs."""
+
+    def __init__(self, model: str, read: Callable[[], StepperTime]) -> None:
+        self.model, self.read = model, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        t = self.read()
+        seconds = CounterMetricFamily(
+            check_metric_name("prunewatch_batcher_seconds"),
+            "Wall time of the batcher's stepper by activity: decode (batched steps), jobs (prefill chunks and "
+            "quality passes, run alone), gather (rows due, waiting for the other decoding requests' rows), idle.",
+            labels=["model", "activity"])
+        for activity, value in (("decode", t.decode_s), ("jobs", t.jobs_s), ("gather", t.gather_s),
+                                ("idle", t.idle_s)):
+            seconds.add_metric([self.model, activity], value)
+        steps = CounterMetricFamily(check_metric_name("prunewatch_decode_steps"),
+                                    "Batched decode steps run, by rows in the step.", labels=["model", "rows"])
+        step_seconds = CounterMetricFamily(check_metric_name("prunewatch_decode_step_seconds"),
+                                           "Wall time of the batched decode steps, by rows in the step.",
+                                           labels=["model", "rows"])
+        for rows in sorted(t.steps_by_rows):
+            steps.add_metric([self.model, str(rows)], t.steps_by_rows[rows])
+            step_seconds.add_metric([self.model, str(rows)], t.step_s_by_rows.get(rows, 0.0))
+        yield from (seconds, steps, step_seconds)
+
 
 class ServerMetrics:
     """Metric families of one server, registered in the given registry (a fresh one per test)."""
@@ -75,6 +107,10 @@ class ServerMetrics:
         """Publish the batcher's KV reservation (read at each scrape) and its budget."""
         self.kv_cache_reserved.labels(self.model).set_function(reserved)
         self.kv_cache_budget.labels(self.model).set(budget_bytes)
+
+    def watch_stepper(self, read: Callable[[], StepperTime]) -> None:
+        """Publish the batcher's stepper time (read at each scrape)."""
+        self.registry.register(StepperTimeCollector(self.model, read))
 
     def set_queue_limit(self, depth: int) -> None:
         self.queue_depth.labels(self.model).set(depth)

@@ -4,6 +4,7 @@ stops and counts; no timings asserted."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -104,6 +105,27 @@ def test_a_request_joins_and_leaves_mid_stream_without_changing_the_others(engin
     assert short_result.token_ids == alone_short
     during = {rows: count - before.get(rows, 0) for rows, count in batcher.batch_sizes.items()}
     assert during.get(2, 0) >= 1 and during.get(1, 0) >= 1  # shared steps, and steps alone before and after
+
+
+def test_the_stepper_accounts_its_time_by_activity_and_its_steps_by_rows(engine: PruningEngine) -> None:
+    started = time.monotonic()
+    batcher = engine.new_batcher(8, threads=2)
+    try:
+        requests = [{"prompt": p, "max_new_tokens": 6 + 2 * i, "sensitivity": 0.0} for i, p in enumerate(PROMPTS[:4])]
+        results = generate_together(engine, batcher, requests)
+        spent = batcher.stepper_time()
+    finally:
+        batcher.close()
+    elapsed = time.monotonic() - started
+    assert spent.jobs == len(requests)  # one prefill chunk each (short prompts), no quality pass
+    assert spent.steps_by_rows == batcher.batch_sizes and max(spent.steps_by_rows) >= 2
+    # every decode step after the prefill's token is one row of one step
+    assert sum(rows * steps for rows, steps in spent.steps_by_rows.items()) == sum(
+        r.stats.completion_tokens - 1 for r in results)
+    assert set(spent.step_s_by_rows) == set(spent.steps_by_rows)
+    assert spent.decode_s == pytest.approx(sum(spent.step_s_by_rows.values()))
+    assert min(spent.decode_s, spent.jobs_s) > 0 and min(spent.gather_s, spent.idle_s) >= 0
+    assert spent.decode_s + spent.jobs_s + spent.gather_s + spent.idle_s <= elapsed
 
 
 def test_one_requests_stop_sequence_does_not_end_another(engine: PruningEngine, batcher: DecodeBatcher) -> None:
@@ -293,6 +315,9 @@ def test_requests_past_the_kv_budget_wait_for_room_and_answer_as_alone(engine: P
     assert batcher.kv_reserved_bytes == 0
     assert f'prunewatch_kv_cache_budget_bytes{{model="{engine.name}"}} 1.048576e+06' in metrics
     assert f'prunewatch_kv_cache_reserved_bytes{{model="{engine.name}"}} 0.0' in metrics
+    for rows, steps in batcher.batch_sizes.items():  # the stepper's counts, as scraped
+        assert f'prunewatch_decode_steps_total{{model="{engine.name}",rows="{rows}"}} {float(steps)}' in metrics
+    assert f'prunewatch_batcher_seconds_total{{activity="decode",model="{engine.name}"}}' in metrics
 
 
 def test_a_request_that_alone_needs_more_than_the_kv_budget_is_refused(engine: PruningEngine) -> None:
