@@ -63,7 +63,11 @@ METHOD = {
     "mean_decode_pruning_ratio": "measured by the server: decode_pruning_ratio of its final chunks (finished "
                                  "requests)",
     "mean_batch_size": "measured by the server: mean over finished requests of the rows per decode step each ran in",
+    "stepper": "measured by the server (prunewatch serve's /metrics before and after the level, its drain included): "
+               "share of the batcher's stepper time in decode steps, jobs run alone (prefill chunks, quality passes), "
+               "gather (waiting for due rows) and idle; steps and mean ms per step by rows in the step",
 }
+ACTIVITIES = ("decode", "jobs", "gather", "idle")
 
 
 @dataclass
@@ -190,6 +194,52 @@ async def _drive(url: str, model: str, prompts: list[list[dict[str, str]]], *, c
     return requests, (start, end)
 
 
+@dataclass
+class StepperCounters:
+    """The batcher's stepper counters of a prunewatch serve, as scraped from its /metrics."""
+
+    seconds: dict[str, float]  # activity -> seconds
+    steps: dict[int, float]  # rows -> steps
+    step_seconds: dict[int, float]  # rows -> seconds
+
+
+def scrape_stepper(server: LoopbackServer) -> StepperCounters | None:
+    """The stepper counters of `server` now; None when it publishes none (no batcher, or not prunewatch)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/metrics", timeout=30.0)
+    if response.status_code != 200:
+        return None
+    counters = StepperCounters({}, {}, {})
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == "prunewatch_batcher_seconds_total":
+                counters.seconds[sample.labels["activity"]] = sample.value
+            elif sample.name == "prunewatch_decode_steps_total":
+                counters.steps[int(sample.labels["rows"])] = sample.value
+            elif sample.name == "prunewatch_decode_step_seconds_total":
+                counters.step_seconds[int(sample.labels["rows"])] = sample.value
+    return counters if counters.seconds else None
+
+
+def stepper_between(before: StepperCounters | None, after: StepperCounters | None) -> dict[str, Any] | None:
+    """What the stepper did between two scrapes: its time's shares by activity, and steps and mean ms per step
+    by rows in the step."""
+    if before is None or after is None:
+        return None
+    spent = {a: after.seconds.get(a, 0.0) - before.seconds.get(a, 0.0) for a in ACTIVITIES}
+    total = sum(spent.values())
+    steps = {rows: after.steps[rows] - before.steps.get(rows, 0.0) for rows in sorted(after.steps)}
+    return {
+        "seconds": round(total, 3),
+        "share": {a: round(v / total, 4) if total > 0 else None for a, v in spent.items()},
+        "steps_by_rows": {str(rows): int(n) for rows, n in steps.items() if n > 0},
+        "ms_per_step_by_rows": {
+            str(rows): round(1000.0 * (after.step_seconds.get(rows, 0.0) - before.step_seconds.get(rows, 0.0)) / n, 2)
+            for rows, n in steps.items() if n > 0},
+    }
+
+
 def drive(server: LoopbackServer, prompts: list[list[dict[str, str]]], *, clients: int, window_s: float,
           max_tokens: int, headers: dict[str, str] | None = None, first_prompt: int = 0
           ) -> tuple[list[StreamedRequest], tuple[float, float]]:
@@ -229,9 +279,11 @@ def run_engine(server: LoopbackServer, prompts: list[list[dict[str, str]]], *, l
     series: dict[str, list[dict[str, Any]]] = {"dense": [], "default": []}
     steps = [(i, clients, name) for i, clients in enumerate(levels) for name in _series_order(i)]
     for i, clients, name in tqdm(steps, desc="engine levels", unit="level", file=sys.stderr):
+        before = scrape_stepper(server)
         requests, window = drive(server, prompts, clients=clients, window_s=window_s, max_tokens=max_tokens,
                                  headers=DENSE_HEADERS if name == "dense" else {}, first_prompt=i)
-        series[name].append(summarise(requests, window, clients))
+        series[name].append({**summarise(requests, window, clients),
+                             "stepper": stepper_between(before, scrape_stepper(server))})
     return series
 
 
@@ -314,7 +366,26 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{row['tpot_p50_ms']} / {row['tpot_p99_ms']} | {row['ttft_p50_ms']} / {row['ttft_p99_ms']} | "
                 f"{f'{ratio:.2f}x' if ratio is not None else ''} | {'' if batch is None else f'{batch:.2f}'} | "
                 f"{'' if pruned is None else f'{pruned:.3f}'} |")
-    return "\n".join(lines)
+    stepper = format_stepper_table(result)
+    return "\n".join(lines) + (f"\n\n{stepper}" if stepper else "")
+
+
+def format_stepper_table(result: dict[str, Any]) -> str:
+    """Where prunewatch serve's stepper spent each level (empty when no row has the server's counters)."""
+    lines = ["| server | clients | decode | jobs (prefill) | gather | idle | ms per step by rows |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for name, rows in result["series"].items():
+        for row in rows:
+            stepper = row.get("stepper")
+            if not stepper:
+                continue
+            share = stepper["share"]
+            per_step = ", ".join(f"{rows_}: {ms:.1f}" for rows_, ms in stepper["ms_per_step_by_rows"].items()
+                                 if stepper["steps_by_rows"][rows_] >= 0.05 * sum(stepper["steps_by_rows"].values()))
+            lines.append(f"| {name} | {row['clients']} | "
+                         + " | ".join("" if share[a] is None else f"{100 * share[a]:.0f}%" for a in ACTIVITIES)
+                         + f" | {per_step} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def write_plot(result: dict[str, Any], path: Path) -> None:

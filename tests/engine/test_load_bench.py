@@ -60,12 +60,19 @@ def test_load_bench_drives_serve_dense_and_default_at_each_level(probe_model_dir
             assert row["aggregate_tokens_per_s"] == pytest.approx(row["tokens"] / row["window_s"], rel=1e-3)
             assert row["tpot_p50_ms"] is not None and row["tpot_p50_ms"] <= row["tpot_p99_ms"]
             assert row["finished"] >= 1  # six-token answers end well inside three seconds on the probe model
+            stepper = row["stepper"]  # the server's own account of the level
+            assert sum(stepper["share"].values()) == pytest.approx(1.0, abs=1e-3) and stepper["share"]["decode"] > 0
+            assert set(stepper["ms_per_step_by_rows"]) == set(stepper["steps_by_rows"])
+            assert min(stepper["ms_per_step_by_rows"].values()) > 0
+            # every token after a request's first came from a decode step the server counted
+            assert sum(int(rows) * n for rows, n in stepper["steps_by_rows"].items()) >= row["tokens"] - row["requests"]
     for row in result["series"]["dense"]:
         assert row["mean_decode_pruning_ratio"] == 0.0  # X-Pruning-Sensitivity: 0
     for row in result["series"]["default"]:
         assert row["default_vs_dense"] > 0
     assert plot.stat().st_size > 0
-    assert "| default | 2 |" in load.format_table(result)
+    table = load.format_table(result)
+    assert table.count("| default | 2 |") == 2  # the load table and the stepper's
 
 
 def test_load_bench_puts_llama_server_with_n_slots_beside_each_level(probe_model_dir, calibration_dir, tmp_path):
