@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from prunewatch.engine.batching import StepperTime
 from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.logprobs import TokenLogprob, TopLogprob
 from prunewatch.engine.planner import validate_request
@@ -78,9 +79,11 @@ class FakeEngine:
 
     def new_batcher(self, max_batch: int, threads: int | None = None, *, kv_budget_bytes: int | None = None) -> Any:
         """No model to batch: a server with several workers holds this, checks each request against its KV budget
-        (no cache here: everything fits), hands it to `stream` (which ignores it) and closes it when it stops."""
+        (no cache here: everything fits), hands it to `stream` (which ignores it), publishes its stepper's time
+        (none spent) and closes it when it stops."""
         return SimpleNamespace(max_batch=max_batch, threads=threads, kv_budget_bytes=kv_budget_bytes,
-                               kv_reserved_bytes=0, check_fits=lambda tokens: None, close=lambda: None)
+                               kv_reserved_bytes=0, check_fits=lambda tokens: None, close=lambda: None,
+                               stepper_time=StepperTime)
 
     def render_raw(self, prompt: str) -> list[int]:
         ids = list(prompt.encode("utf-8"))
