@@ -40,6 +40,7 @@ import httpx
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.bench.llama_cpp import LlamaCpp, PeerUnavailableError, peer_gguf, report
 from prunewatch.bench.served import LlamaServer, LoopbackServer, ServedModel
+from prunewatch.engine.batching import STEPPER_ACTIVITIES
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 
 logger = logging.getLogger("prunewatch.bench.load")
@@ -67,7 +68,6 @@ METHOD = {
                "share of the batcher's stepper time in decode steps, jobs run alone (prefill chunks, quality passes), "
                "gather (waiting for due rows) and idle; steps and mean ms per step by rows in the step",
 }
-ACTIVITIES = ("decode", "jobs", "gather", "idle")
 
 
 @dataclass
@@ -227,7 +227,7 @@ def stepper_between(before: StepperCounters | None, after: StepperCounters | Non
     by rows in the step."""
     if before is None or after is None:
         return None
-    spent = {a: after.seconds.get(a, 0.0) - before.seconds.get(a, 0.0) for a in ACTIVITIES}
+    spent = {a: after.seconds.get(a, 0.0) - before.seconds.get(a, 0.0) for a in STEPPER_ACTIVITIES}
     total = sum(spent.values())
     steps = {rows: after.steps[rows] - before.steps.get(rows, 0.0) for rows in sorted(after.steps)}
     return {
@@ -383,7 +383,7 @@ def format_stepper_table(result: dict[str, Any]) -> str:
             per_step = ", ".join(f"{rows_}: {ms:.1f}" for rows_, ms in stepper["ms_per_step_by_rows"].items()
                                  if stepper["steps_by_rows"][rows_] >= 0.05 * sum(stepper["steps_by_rows"].values()))
             lines.append(f"| {name} | {row['clients']} | "
-                         + " | ".join("" if share[a] is None else f"{100 * share[a]:.0f}%" for a in ACTIVITIES)
+                         + " | ".join("" if share[a] is None else f"{100 * share[a]:.0f}%" for a in STEPPER_ACTIVITIES)
                          + f" | {per_step} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 

@@ -157,6 +157,9 @@ def split_ledger(total: ExecutionLedger, ledgers: list[ExecutionLedger]) -> None
         ledger.batch_rows += rows
 
 
+STEPPER_ACTIVITIES = ("decode", "jobs", "gather", "idle")  # what the stepper's wall time is split into
+
+
 @dataclass(frozen=True)
 class StepperTime:
     """Where the stepper's wall time went since it started, in seconds (measured with a monotonic clock): what
@@ -166,13 +169,20 @@ class StepperTime:
     waiting, with rows due, for the other decoding requests' next rows (they detokenize and stream their last
     token meanwhile); idle: nothing to run."""
 
-    decode_s: float = 0.0
     jobs_s: float = 0.0
     gather_s: float = 0.0
     idle_s: float = 0.0
     jobs: int = 0
     step_s_by_rows: dict[int, float] = field(default_factory=dict)  # rows -> seconds of the steps of that many
     steps_by_rows: dict[int, int] = field(default_factory=dict)  # rows -> decode steps run with that many
+
+    @property
+    def decode_s(self) -> float:
+        return sum(self.step_s_by_rows.values())
+
+    def seconds_by_activity(self) -> dict[str, float]:
+        """Seconds per activity of STEPPER_ACTIVITIES, in that order."""
+        return {"decode": self.decode_s, "jobs": self.jobs_s, "gather": self.gather_s, "idle": self.idle_s}
 
 
 @dataclass
@@ -375,8 +385,7 @@ class DecodeBatcher:
         if rows == 0:
             self._time = replace(t, jobs_s=t.jobs_s + seconds, jobs=t.jobs + 1)
             return
-        self._time = replace(t, decode_s=t.decode_s + seconds,
-                             step_s_by_rows={**t.step_s_by_rows, rows: t.step_s_by_rows.get(rows, 0.0) + seconds},
+        self._time = replace(t, step_s_by_rows={**t.step_s_by_rows, rows: t.step_s_by_rows.get(rows, 0.0) + seconds},
                              steps_by_rows={**t.steps_by_rows, rows: t.steps_by_rows.get(rows, 0) + 1})
 
     def _gather(self) -> None:

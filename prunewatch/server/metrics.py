@@ -42,8 +42,7 @@ class StepperTimeCollector(Collector):
             "Wall time of the batcher's stepper by activity: decode (batched steps), jobs (prefill chunks and "
             "quality passes, run alone), gather (rows due, waiting for the other decoding requests' rows), idle.",
             labels=["model", "activity"])
-        for activity, value in (("decode", t.decode_s), ("jobs", t.jobs_s), ("gather", t.gather_s),
-                                ("idle", t.idle_s)):
+        for activity, value in t.seconds_by_activity().items():
             seconds.add_metric([self.model, activity], value)
         steps = CounterMetricFamily(check_metric_name("prunewatch_decode_steps"),
                                     "Batched decode steps run, by rows in the step.", labels=["model", "rows"])

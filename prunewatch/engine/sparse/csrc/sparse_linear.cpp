@@ -602,7 +602,7 @@ at::Tensor finish_quantized(const at::Tensor& acc, int64_t num_threads, int64_t 
 // once-per-thread flag lives in an inline function, so this library has its own copy: its first parallel_for on a
 // thread would size the team again and replace the count the thread was given (a batcher's stepper set to two
 // threads fell to one once its requests' threads had been set to one, halving its speed). Done here first, and
-// the thread's own count put back.
+// the thread's own count put back (which, as torch.set_num_threads does, also makes it the last count set).
 void keep_thread_count() {
   thread_local bool kept = false;
   if (kept) return;
