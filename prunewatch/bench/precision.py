@@ -196,7 +196,8 @@ def measure_speed(engines: dict[str, PruningEngine], tokens: int, rounds: int, c
             decode = engine.measure_decode(ids, plan, tokens, compiled=graph)
             rates[name].append((tokens - 1) / decode.decode_s)
             if name in products:
-                products_ms[name].append(median_ms(time_replay(products[name], _executing(plan), REPLAYS)))
+                products_ms[name].append(median_ms(time_replay(products[name], _executing(engine.eager_step_plan(plan)),
+                                                               REPLAYS)))
             measured[name] = {"bytes_per_token": decode.ledger.decode_bytes_read // (tokens - 1),
                               "decode_pruning_ratio": decode.ledger.decode_pruning_ratio, "tokens": decode.tokens}
         logger.info("round %d: %s", r + 1, {" ".join(k): round(v[-1], 2) for k, v in rates.items()})
@@ -231,11 +232,11 @@ def served_rows(speed: dict[str, dict]) -> list[dict]:
 def _capture(engine: PruningEngine, ids: list[int], plan, label: str) -> StepProducts:
     """The weight products of one eager decode step of `engine` under `plan`, checked to replay exactly."""
     return capture_checked(engine.loaded.model, lambda: engine.measure_decode(ids, plan, 3, compiled=False),
-                           _executing(plan), label)
+                           _executing(engine.eager_step_plan(plan)), label)
 
 
 def _executing(plan):
-    """A context factory running one replay under `plan`, as the engine's step ran."""
+    """A context factory running one replay under `plan` (the engine's eager step plan), as the step ran."""
     from prunewatch.engine.execution import ExecutionLedger, executing
 
     return lambda: executing(plan, ExecutionLedger())

@@ -425,9 +425,10 @@ class StepReplays:
 
         engine, dense = subject.engine, ExecutionPlan()
         model = engine.loaded.model
+        dense_step, pruned_step = engine.eager_step_plan(dense), engine.eager_step_plan(plan)  # as the steps ran
         contexts: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
-            "plain": contextlib.nullcontext, "dense": lambda: executing(dense, ExecutionLedger()),
-            "pruned": lambda: executing(plan, ExecutionLedger())}
+            "plain": contextlib.nullcontext, "dense": lambda: executing(dense_step, ExecutionLedger()),
+            "pruned": lambda: executing(pruned_step, ExecutionLedger())}
         decodes = {
             "plain": (subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3)),
             "dense": (model, lambda: engine.measure_decode(subject.prompt_ids, dense, 3, compiled=False)),

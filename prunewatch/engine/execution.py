@@ -74,7 +74,8 @@ class ExecutionPlan:
     # products of wrapped layers and of the output head run through the kernel (which sums each row's products in
     # the same order at any row count) instead of BLAS (whose GEMM blocking, and so its rounding, changes with the
     # row count). Set for requests decoded together (prunewatch.engine.batching), so a dense request's tokens do
-    # not depend on who shares its steps.
+    # not depend on who shares its steps, and for eager decoding on the CPU alone (PruningEngine._decode), so a
+    # request decodes the same tokens in process as served.
     row_invariant: bool = False
 
     def __post_init__(self) -> None:

@@ -361,6 +361,8 @@ class PruningEngine:
         step = self.compiled_decode(compiled) if use_cache else None
         if step is not None and not step.supports(plan):
             step = None
+        if step is None:
+            plan = self.eager_step_plan(plan)
         score_prompt = score_prompt and logprobs is not None
         if score_prompt and plan.output_head_sparsity > 0.0:  # every prompt row as the last one is computed
             plan = replace(plan, output_head_row_kernel=True)
@@ -399,6 +401,13 @@ class PruningEngine:
                     return
                 step_ids = torch.tensor([[token]], device=device)
                 ids = torch.cat([ids, step_ids], dim=1)
+
+    def eager_step_plan(self, plan: ExecutionPlan) -> ExecutionPlan:
+        """The plan an eager decode step of this engine runs for `plan`. On the CPU its dense products go through
+        the sparse kernel (ExecutionPlan.row_invariant), as batched steps' must: a request then decodes the same
+        tokens in process as through `serve`, and at 2 threads the kernel's few-row products are faster than BLAS's
+        parallel ones (README "Dense steps through the kernel"). Elsewhere `plan` itself."""
+        return replace(plan, row_invariant=True) if self.loaded.device.type == "cpu" else plan
 
     @torch.no_grad()
     def _decode_batched(self, batcher: DecodeBatcher, prompt_ids: list[int], plan: ExecutionPlan,

@@ -31,6 +31,12 @@ def _linear_work(module) -> int | None:
     return None
 
 
+def _kernel_dense(module, plan, rows: int) -> bool:
+    """Whether a wrapper computes a dense call through its kernel (every weight row read) rather than its inner
+    layer: quantized weights, or a row-invariant plan (eager CPU decoding and batched steps), at few rows."""
+    return rows <= module.max_kernel_rows and (module.quantized or plan.row_invariant)
+
+
 @contextlib.contextmanager
 def hook_count(instrumented) -> Iterator[dict[str, int]]:
     """An independent count of one model's work: a forward hook on every linear layer that runs (the way
@@ -64,6 +70,8 @@ def hook_count(instrumented) -> Iterator[dict[str, int]]:
             threshold = torch.tensor(module.thresholds.at(target), dtype=torch.float32)
             active = int((flat.abs().float() * module.scale > threshold).any(dim=0).sum())
             count["executed"] += 2 * module.out_features * active * rows
+        elif plan is not None and _kernel_dense(module, plan, rows):  # every row through the kernel
+            count["executed"] += 2 * module.out_features * module.in_features * rows
 
     def on_gated(module, args) -> None:
         plan = current_execution()[0] if current_execution() is not None else None
@@ -95,10 +103,13 @@ def hook_count(instrumented) -> Iterator[dict[str, int]]:
     def on_shortlist(module, args) -> None:
         """The shortlist head: with an output-head target it never calls its inner layer (no on_head)."""
         plan = current_execution()[0] if current_execution() is not None else None
-        if plan is None or plan.output_head_sparsity <= 0.0:
-            return
         rows = rows_of(args[0])
         n_in, vocab = module.linear.in_features, module.linear.out_features
+        if plan is not None and plan.output_head_sparsity <= 0.0 and _kernel_dense(module, plan, rows):
+            count["executed"] += 2 * vocab * n_in * rows  # dense, through the kernel: no inner call for on_head
+            count["dense"] += 2 * vocab * n_in * rows
+        if plan is None or plan.output_head_sparsity <= 0.0:
+            return
         keep = max(1, round((1.0 - plan.output_head_sparsity) * n_in))
         approximate = 2 * vocab * keep if rows <= module.max_kernel_rows else 2 * vocab * n_in
         shortlist = min(plan.output_head_candidates, vocab)

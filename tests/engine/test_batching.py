@@ -77,6 +77,21 @@ def test_dense_requests_decode_the_tokens_they_get_alone_in_any_batch(engine: Pr
     assert batcher.decoding == 0
 
 
+def test_a_dense_request_scores_its_tokens_the_same_in_process_as_through_the_batcher(
+        engine: PruningEngine, batcher: DecodeBatcher) -> None:
+    """Eager CPU decoding computes dense products through the kernel, as batched steps do, so the two paths agree to
+    the bit (BLAS's products differ in their last bits from the kernel's at 1 row, and BLAS is not row-invariant)."""
+    for prompt in PROMPTS[:3]:
+        request = {"prompt": prompt, "max_new_tokens": 10, "sensitivity": 0.0, "logprobs": 3}
+        in_process = engine.generate(**request)
+        batched = engine.generate(batcher=batcher, **request)
+        assert in_process.token_ids == batched.token_ids
+        assert in_process.logprobs is not None and batched.logprobs is not None
+        assert [t.logprob for t in in_process.logprobs] == [t.logprob for t in batched.logprobs]
+        assert [[a.logprob for a in t.top] for t in in_process.logprobs] == \
+            [[a.logprob for a in t.top] for t in batched.logprobs]
+
+
 def test_a_request_joins_and_leaves_mid_stream_without_changing_the_others(engine: PruningEngine,
                                                                             batcher: DecodeBatcher) -> None:
     long = {"prompt": PROMPTS[0], "max_new_tokens": 24, "sensitivity": 0.0}
