@@ -26,7 +26,10 @@ those bytes the step did not read, from the ledger; so s f is the share of the d
 skipped). Speedups come twice: as the ratio of two medians, and within rounds (the median over rounds of
 the ratio between the two runs of one round, which a load slowing the whole round cancels). Where a
 step's time goes: the step's weight products replayed alone (prunewatch.bench.step_products) against the rest of
-the step, and for pruned runs the products' own speedup over the bound. Writes JSON
+the step, and for pruned runs the products' own speedup over the bound; the same replays per projection
+(every layer's q_proj, ..., down_proj and the head, each call timed alone), for pruned runs with each
+projection's speedup against dense's: which products shorten when rows are skipped and which are held by
+fixed per-call costs. Writes JSON
 and a PNG plot; prints a table and the goals the result is held to (prunewatch.bench.speed_goals: every run under
 every estimator, with a verdict per goal). `--report FILE` prints both for a result written before.
 Tests never assert timings: tests/engine/test_speed_bench.py checks structure on the probe model.
@@ -53,7 +56,7 @@ import torch
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info, synchronize
 from prunewatch.bench.served import ServedModel
 from prunewatch.bench.speed_goals import REAL_WEIGHTS, bandwidth_goal, format_goals, goals_summary
-from prunewatch.bench.step_products import capture_checked, median_ms, time_replay
+from prunewatch.bench.step_products import capture_checked, median_ms, time_replay, time_replay_by_projection
 from prunewatch.engine.model_store import DEFAULT_MODEL, PROBE_MODEL_DIR, models_root
 
 if TYPE_CHECKING:
@@ -121,6 +124,12 @@ class RunRow:
     rest_ms_per_token: float | None = None
     products_speedup_vs_dense: float | None = None
     products_fraction_of_bound: float | None = None
+    # The same replays per projection (prunewatch.bench.step_products.time_replay_by_projection: every layer's calls
+    # to q_proj, ..., down_proj summed, and the head), each call timed alone: ms per token, median over rounds of
+    # each round's median of REPS replays; for pruned runs each projection's speedup within rounds against the dense
+    # run's. Says which products shorten when rows are skipped. None in results written before they existed.
+    products_ms_by_projection: dict[str, float] | None = None
+    products_speedup_by_projection: dict[str, float] | None = None
     # Served runs ("served-dense", "served-pruned": `prunewatch serve` on 127.0.0.1, streamed, timed by the client;
     # prunewatch.bench.served): tokens/s over the in-process run of the same plan in this process's main thread
     # ("dense", "pruned"), as the ratio of the medians and within rounds. None for the in-process runs.
@@ -321,6 +330,7 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
     products = StepReplays.capture(subject, plan)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     products_ms: dict[str, list[float]] = {name: [] for name in runs}  # per round: its products, right after it
+    projection_ms: dict[str, list[dict[str, float]]] = {name: [] for name in runs}  # per round, per projection
     ledgers: dict[str, ExecutionLedger] = {}
     tokens: dict[str, list[int]] = {}
     samples: list[float] = []
@@ -339,6 +349,7 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
                 paired[name].append((before + after) / 2)
                 before = after
             products_ms[name].append(products.ms(_plan_of(name)))
+            projection_ms[name].append(products.ms_by_projection(_plan_of(name)))
         if before is not None:
             samples.append(before)
         logger.info("%s round %d: %s (load %.1f)", subject.name, r + 1,
@@ -397,6 +408,15 @@ def measure(subject: _Subject, new_tokens: int, rounds: int,
             row.products_speedup_vs_dense = round(statistics.median(
                 dense / pruned_ms for dense, pruned_ms in zip(products_ms[dense_name], products_ms[name])), 4)
             row.products_fraction_of_bound = round(row.products_speedup_vs_dense / row.bound, 4)
+        row.products_ms_by_projection = {
+            projection: round(statistics.median(r[projection] for r in projection_ms[name]), 4)
+            for projection in projection_ms[name][0]}
+        if pruned is not None:  # within rounds, against the dense run's same projection
+            dense_rounds = projection_ms[name.replace("pruned", "dense")]
+            row.products_speedup_by_projection = {
+                projection: round(statistics.median(
+                    d[projection] / r[projection] for d, r in zip(dense_rounds, projection_ms[name])), 4)
+                for projection in projection_ms[name][0] if projection in dense_rounds[0]}
         if name.startswith("served-"):
             row.served_vs_in_process = round(medians[name] / medians[counterpart], 4)
             row.served_vs_in_process_paired = round(paired_ratio(rates[name], rates[counterpart]), 4)
@@ -442,6 +462,12 @@ class StepReplays:
         """Milliseconds of the products of `name`'s step (plain, dense or pruned), median of REPS replays."""
         return median_ms(time_replay(self.captured[name], self.contexts[name], self.REPS,
                                      lambda: synchronize(self.device)))
+
+    def ms_by_projection(self, name: str) -> dict[str, float]:
+        """Milliseconds of the same step's products per projection, each the median of REPS replays."""
+        times = time_replay_by_projection(self.captured[name], self.contexts[name], self.REPS,
+                                          lambda: synchronize(self.device))
+        return {projection: median_ms(seconds) for projection, seconds in times.items()}
 
 
 def _plan_of(name: str) -> str:
@@ -498,6 +524,29 @@ def format_table(result: dict) -> str:
             f"{opt('fraction_of_bound', '.3f'):>8} {opt('fraction_of_bound_paired', '.3f'):>7} "
             f"{opt('agreement_with_eager', '.3f'):>6} {opt('products_ms_per_token', '.1f'):>7} "
             f"{opt('rest_ms_per_token', '.1f'):>7} {opt('products_fraction_of_bound', '.3f'):>10}")
+    return "\n".join(lines)
+
+
+def format_projection_table(result: dict) -> str:
+    """Each run's replayed products per projection, ms per token, and for pruned runs the projection's speedup
+    within rounds against dense's in brackets; empty for a result written before they were replayed so."""
+    rows = [row for row in result["rows"] if row.get("products_ms_by_projection")]
+    if not rows:
+        return ""
+    lines = ["weight products per projection, ms per token (pruned: speedup vs dense within rounds)"]
+    for model in dict.fromkeys(row["model"] for row in rows):
+        runs = [row for row in rows if row["model"] == model]
+        projections = list(dict.fromkeys(p for row in runs for p in row["products_ms_by_projection"]))
+        header = f"{model[:28]:<28} " + " ".join(f"{p[:15]:>15}" for p in projections)
+        lines += ["", header, "-" * len(header)]
+        for row in runs:
+            cells = []
+            for projection in projections:
+                ms = row["products_ms_by_projection"].get(projection)
+                speedup = (row.get("products_speedup_by_projection") or {}).get(projection)
+                cell = "-" if ms is None else f"{ms:.2f}" + (f" ({speedup:.2f}x)" if speedup is not None else "")
+                cells.append(f"{cell:>15}")
+            lines.append(f"{row['run']:<28} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -671,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         try:
             data = json.loads(args.report.read_text())
-            report = format_table(data) + "\n\n" + format_goals(data)
+            report = _report(data)
             if args.plot is not None:
                 write_plot(data, args.plot)
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -704,8 +753,14 @@ def main(argv: list[str] | None = None) -> int:
                out=args.out or RESULTS / f"speed-{args.device}.json",
                plot=None if args.no_plot else args.plot or RESULTS / f"speed-{args.device}.png", device=args.device,
                compiled=not args.no_compiled, served=not args.no_served)
-    sys.stdout.write(format_table(data) + "\n\n" + format_goals(data) + "\n")
+    sys.stdout.write(_report(data) + "\n")
     return 0
+
+
+def _report(data: dict) -> str:
+    """The run table, the per-projection products when the result has them, and the goals."""
+    projections = format_projection_table(data)
+    return format_table(data) + (f"\n\n{projections}" if projections else "") + "\n\n" + format_goals(data)
 
 
 if __name__ == "__main__":

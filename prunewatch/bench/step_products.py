@@ -15,7 +15,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ class StepProducts:
 
     calls: list[tuple[nn.Module, torch.Tensor]]
     outputs: list[torch.Tensor]  # what each call returned in the step, to check a replay against
+    # Per call, the projection it computes: the module's attribute name in its parent ("q_proj", "down_proj",
+    # "lm_head"), the same for a wrapper and the linear it replaced, so two models' steps line up by projection.
+    projections: list[str] = field(default_factory=list)
 
 
 def product_modules(model: nn.Module) -> list[nn.Module]:
@@ -60,7 +63,9 @@ def capture_step(model: nn.Module, decode: Callable[[], object]) -> StepProducts
             calls.append((module, x.detach().clone()))
             outputs.append(output.detach().clone())
 
-    handles = [m.register_forward_hook(hook) for m in product_modules(model)]
+    modules = product_modules(model)
+    names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+    handles = [m.register_forward_hook(hook) for m in modules]
     try:
         decode()
     finally:
@@ -71,7 +76,8 @@ def capture_step(model: nn.Module, decode: Callable[[], object]) -> StepProducts
     if not last or len({id(module) for module, _ in last}) != per_step:
         raise ValueError(f"{len(calls)} single-row product calls of {per_step} modules: the last step is not one "
                          "call per module")
-    return StepProducts(calls=last, outputs=outputs[-per_step:])
+    return StepProducts(calls=last, outputs=outputs[-per_step:],
+                        projections=[names.get(id(module), type(module).__name__) for module, _ in last])
 
 
 def capture_checked(model: nn.Module, decode: Callable[[], object],
@@ -100,6 +106,24 @@ def time_replay(products: StepProducts, context: Callable[[], contextlib.Abstrac
     for _ in range(reps):
         with _timed(times, synchronize):
             replay(products, context)
+    return times
+
+
+def time_replay_by_projection(products: StepProducts, context: Callable[[], contextlib.AbstractContextManager],
+                              reps: int, synchronize: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of each of `reps` replays of one captured step under `context`, per projection (the calls of
+    every layer to its q_proj, ..., summed): which products shorten when rows are skipped and which do not. Each
+    call is timed alone, so a projection's time includes its call's fixed cost (the wrapper's Python, the kernel's
+    dispatch and parallel region), which is what small layers spend most of theirs on."""
+    times: dict[str, list[float]] = {name: [0.0] * reps for name in products.projections}
+    with torch.no_grad(), context():
+        for rep in range(reps):
+            for (module, x), name in zip(products.calls, products.projections, strict=True):
+                synchronize()
+                started = time.perf_counter()
+                module(x)
+                synchronize()
+                times[name][rep] += time.perf_counter() - started
     return times
 
 

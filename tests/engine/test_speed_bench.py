@@ -9,7 +9,7 @@ import json
 import pytest
 
 from prunewatch.bench.engine import SpeedModelConfig
-from prunewatch.bench.speed import format_table, main, paired_ratio, run, write_plot
+from prunewatch.bench.speed import format_projection_table, format_table, main, paired_ratio, run, write_plot
 
 TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096)
@@ -169,6 +169,30 @@ def test_a_result_without_the_step_breakdown_shows_none(speed_result):
     for line, now in zip(format_table(older).splitlines()[3:], format_table(data).splitlines()[3:], strict=True):
         assert line.split()[-3:] == ["-", "-", "-"]
         assert now.split()[-3] != "-" and now.split()[-2] != "-"  # products and rest, for every run
+
+
+def test_every_run_breaks_its_products_down_by_projection(speed_result):
+    data, _ = speed_result
+    for row in data["rows"]:
+        by_projection = row["products_ms_by_projection"]
+        assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"} == set(
+            by_projection)
+        assert all(ms > 0 for ms in by_projection.values())
+        if row["run"].endswith("pruned") or row["run"].endswith("pruned-compiled"):
+            dense = next(r for r in data["rows"] if r["model"] == row["model"]
+                         and r["run"] == row["run"].replace("pruned", "dense"))
+            for projection, speedup in row["products_speedup_by_projection"].items():  # one round: one ratio
+                expected = dense["products_ms_by_projection"][projection] / by_projection[projection]
+                assert speedup == pytest.approx(expected, rel=stored(
+                    dense["products_ms_by_projection"][projection], by_projection[projection], digits=4) + stored(speedup, digits=4))
+        else:
+            assert row["products_speedup_by_projection"] is None
+    table = format_projection_table(data)
+    assert all(model[:28] in table for model in data["models"]) and "q_proj" in table and "x)" in table
+    older = json.loads(json.dumps(data))
+    for row in older["rows"]:
+        del row["products_ms_by_projection"], row["products_speedup_by_projection"]
+    assert format_projection_table(older) == ""
 
 
 def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):

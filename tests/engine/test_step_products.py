@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prunewatch.bench.speed import _load_real, plain_decode_rate
-from prunewatch.bench.step_products import capture_step, product_modules, replay, time_replay
+from prunewatch.bench.step_products import capture_step, product_modules, replay, time_replay, time_replay_by_projection
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
 from prunewatch.engine.sparse.module import SparseLinear
 from prunewatch.engine.sparse.output_head import ShortlistHead
@@ -76,3 +76,32 @@ def test_each_replay_is_timed_under_its_context(subject):
 
     times = time_replay(products, context, reps=3)
     assert len(times) == 3 and all(s > 0 for s in times) and entered == [0, 1, 2]
+
+
+def test_the_steps_of_plain_and_engine_line_up_by_projection(subject, default_plan):
+    engine = subject.engine
+    plain = capture_step(subject.plain, lambda: plain_decode_rate(subject.plain, subject.prompt_ids, 3))
+    pruned = capture_step(engine.loaded.model,
+                          lambda: engine.measure_decode(subject.prompt_ids, default_plan, 3, compiled=False))
+    assert plain.projections == pruned.projections  # a wrapper is named as the linear it replaced
+    layers = subject.plain.config.num_hidden_layers
+    assert plain.projections.count("q_proj") == layers and plain.projections.count("down_proj") == layers
+    assert plain.projections[-1] == "lm_head"
+
+
+def test_a_replay_by_projection_times_every_call_once_per_rep(subject, default_plan):
+    engine = subject.engine
+    products = capture_step(engine.loaded.model,
+                            lambda: engine.measure_decode(subject.prompt_ids, default_plan, 3, compiled=False))
+    called: list[str] = []
+    handles = [module.register_forward_hook(lambda m, a, o, name=name: called.append(name))
+               for (module, _), name in zip(products.calls, products.projections)]
+    try:
+        times = time_replay_by_projection(
+            products, lambda: executing(engine.eager_step_plan(default_plan), ExecutionLedger()), reps=2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(times) == set(products.projections)
+    assert all(len(seconds) == 2 and all(s > 0 for s in seconds) for seconds in times.values())
+    assert called == products.projections * 2  # each call once per rep, in the step's order
