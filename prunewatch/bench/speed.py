@@ -550,6 +550,30 @@ def format_projection_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_projection_markdown(result: dict) -> str:
+    """The first model's products per projection as the README's markdown table: dense and default ms per token,
+    the default's speedup within rounds, and plain transformers beside them; empty without the replays."""
+    rows = {row["run"]: row for row in result["rows"] if row.get("products_ms_by_projection")}
+    if "dense" not in rows or "pruned" not in rows:
+        return ""
+    model = rows["dense"]["model"]
+    rows = {run: row for run, row in rows.items() if row["model"] == model}
+    projections = list(rows["dense"]["products_ms_by_projection"])
+    speedups = rows["pruned"].get("products_speedup_by_projection") or {}
+
+    def line(label: str, cells: list[str]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    lines = [line("projection", projections), "|---|" + "---:|" * len(projections),
+             line("dense, ms per token", [f"{rows['dense']['products_ms_by_projection'][p]:.2f}" for p in projections]),
+             line("default, ms per token", [f"{rows['pruned']['products_ms_by_projection'][p]:.2f}" for p in projections]),
+             line("default vs dense, within rounds", [f"{speedups[p]:.2f}x" if p in speedups else "" for p in projections])]
+    if "plain" in rows:
+        lines.append(line("plain transformers (BLAS), ms per token",
+                          [f"{rows['plain']['products_ms_by_projection'].get(p, 0.0):.2f}" for p in projections]))
+    return "\n".join(lines)
+
+
 def write_plot(result: dict, path: Path) -> None:
     import matplotlib
 

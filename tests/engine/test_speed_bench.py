@@ -9,7 +9,15 @@ import json
 import pytest
 
 from prunewatch.bench.engine import SpeedModelConfig
-from prunewatch.bench.speed import format_projection_table, format_table, main, paired_ratio, run, write_plot
+from prunewatch.bench.speed import (
+    format_projection_markdown,
+    format_projection_table,
+    format_table,
+    main,
+    paired_ratio,
+    run,
+    write_plot,
+)
 
 TINY = SpeedModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096)
@@ -192,7 +200,9 @@ def test_every_run_breaks_its_products_down_by_projection(speed_result):
     older = json.loads(json.dumps(data))
     for row in older["rows"]:
         del row["products_ms_by_projection"], row["products_speedup_by_projection"]
-    assert format_projection_table(older) == ""
+    assert format_projection_table(older) == "" and format_projection_markdown(older) == ""
+    markdown = format_projection_markdown(data).splitlines()
+    assert markdown[0].startswith("| projection | q_proj") and len(markdown) == 6  # dense, default, speedup, plain
 
 
 def test_speed_bench_pairs_every_run_with_the_samples_beside_it(speed_result):
