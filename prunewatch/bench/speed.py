@@ -570,7 +570,8 @@ def format_projection_markdown(result: dict) -> str:
              line("default vs dense, within rounds", [f"{speedups[p]:.2f}x" if p in speedups else "" for p in projections])]
     if "plain" in rows:
         lines.append(line("plain transformers (BLAS), ms per token",
-                          [f"{rows['plain']['products_ms_by_projection'].get(p, 0.0):.2f}" for p in projections]))
+                          [f"{rows['plain']['products_ms_by_projection'][p]:.2f}"
+                           if p in rows["plain"]["products_ms_by_projection"] else "" for p in projections]))
     return "\n".join(lines)
 
 
