@@ -14,8 +14,6 @@ for another model.
 from __future__ import annotations
 
 import json
-import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +29,7 @@ from prunewatch.engine.execution import (
     executing,
 )
 from prunewatch.engine.heads import HeadGatedProjection, HeadGating
+from prunewatch.engine.paths import write_text_atomically
 from prunewatch.engine.sparse.targets import is_conv1d
 
 CALIBRATION_FORMAT_VERSION = 2
@@ -68,10 +67,7 @@ class Calibration:
             )
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers never collide
-        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        tmp.replace(path)  # atomic: a crash never leaves half a calibration
+        write_text_atomically(path, json.dumps(asdict(self), indent=1) + "\n")  # a crash never leaves half of it
 
     @classmethod
     def load(cls, path: Path) -> Calibration:

@@ -13,7 +13,6 @@ request keeps the model-level estimate (`"estimate"`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from prunewatch.engine.errors import CalibrationMismatchError
 from prunewatch.engine.ncu import measure_decode_step
+from prunewatch.engine.paths import write_text_atomically
 
 DRAM_PROFILE_FORMAT_VERSION = 1
 MAX_SPARSITY_GAP = 0.05
@@ -68,10 +68,7 @@ class DramProfile:
         return nearest if abs(nearest.sparsity - activation_sparsity) <= MAX_SPARSITY_GAP else None
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        tmp.replace(path)  # atomic: readers never see half a profile
+        write_text_atomically(path, json.dumps(asdict(self), indent=1) + "\n")  # readers never see half a profile
 
     @classmethod
     def load(cls, path: Path) -> DramProfile:

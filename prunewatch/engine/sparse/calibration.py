@@ -20,6 +20,7 @@ import torch
 
 from prunewatch.engine.errors import CalibrationMismatchError
 from prunewatch.engine.execution import InstrumentedModel
+from prunewatch.engine.paths import write_text_atomically
 from prunewatch.engine.sparse.allocation import (
     GREEDY_COST,
     MAX_ALLOCATED,
@@ -102,11 +103,7 @@ class SparsityCalibration:
         return cls(**raw, allocation=allocation)
 
     def save(self, path: Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n")
-        tmp.replace(path)  # atomic: a crash never leaves half a calibration
+        write_text_atomically(Path(path), json.dumps(self.to_dict()) + "\n")  # a crash never leaves half of it
 
     @classmethod
     def load(cls, path: Path) -> SparsityCalibration:
