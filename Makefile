@@ -9,6 +9,10 @@ STAMP := $(VENV)/.prunewatch-installed
 ROUNDS ?=
 RUN_ARGS ?= $(if $(ROUNDS),--rounds $(ROUNDS),)
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist). Much of the suite waits on the servers and subprocesses it starts (PostgreSQL,
+# Prometheus, `prunewatch serve`, pip installs), so two workers overlap those waits even on two cores: about
+# 16 minutes instead of 21 here. Tests take free ports and temporary folders, so workers never share a server.
+PYTEST_WORKERS ?= 2
 DEBIAN_PACKAGES := postgresql prometheus prometheus-alertmanager prometheus-pushgateway chromium chromium-driver poppler-utils
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -41,7 +45,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: system-deps kernels lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
