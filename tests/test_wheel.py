@@ -29,6 +29,7 @@ DATA = (
     "prunewatch/engine/models/probe-llama/tokenizer.json",
     "prunewatch/engine/models/probe-llama/chat_template.jinja",
     "prunewatch/engine/sparse/csrc/sparse_linear.cpp",
+    "prunewatch/engine/sparse/csrc/ragged_attention.cpp",
     "prunewatch/probes/canonical.yaml",
     "prunewatch/probes/evaluation.yaml",
     "prunewatch/probes/calibration.yaml",

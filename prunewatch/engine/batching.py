@@ -11,9 +11,10 @@ forward passes move to one stepper thread, which holds the cores:
 
 Each request keeps its own DynamicCache: a batched step calls the model without a cache and the attention
 function registered here (`RAGGED_ATTENTION`) appends each row's key and value to that row's cache and attends
-over it alone, as the request would alone (no padding, no mask). Under `ExecutionPlan.row_invariant` the dense
-products of few rows run through the sparse kernel, whose per-row sums do not depend on the other rows, so a
-dense request decodes the same tokens alone or in any batch.
+over it alone, as the request would alone (no padding, no mask; on the CPU one compiled operator per layer
+makes the same calls for every row, prunewatch/engine/sparse/csrc/ragged_attention.cpp). Under
+`ExecutionPlan.row_invariant` the dense products of few rows run through the sparse kernel, whose per-row sums do
+not depend on the other rows, so a dense request decodes the same tokens alone or in any batch.
 
 A batch runs one plan, the members' common denominator (`batch_plan`): requests whose plans differ in what
 changes the KV cache's shape or content (bypassed blocks, gated heads, sparsity policy, family factors) never
@@ -90,6 +91,16 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
              and all(kwargs.get(name) is None for name in _UNPLAIN_ATTENTION_KWARGS))
     grouped = query.shape[1] != key.shape[1]
     scaling = kwargs.get("scaling")
+    if plain and query.device.type == "cpu" and len(ragged_step.caches) > 1:  # one row: the loop is as fast
+        cache_layers = _appendable_layers(ragged_step.caches, layer)
+        operator = _ragged_operator() if cache_layers is not None else None
+        if cache_layers is not None and operator is not None:
+            # The same concatenations and SDPA calls as the loop below, per row, from C++ (csrc/ragged_attention.cpp)
+            output, keys, values = operator(query, key, value, [c.keys for c in cache_layers],
+                                            [c.values for c in cache_layers], scaling, grouped)
+            for cache_layer, row_keys, row_values in zip(cache_layers, keys, values, strict=True):
+                cache_layer.keys, cache_layer.values = row_keys, row_values
+            return output, None
     outputs = []
     for row, cache in enumerate(ragged_step.caches):
         row_key, row_value = cache.update(key[row:row + 1], value[row:row + 1], layer)
@@ -100,6 +111,43 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             output, _ = sdpa_attention_forward(module, query[row:row + 1], row_key, row_value, None, **kwargs)
         outputs.append(output)
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
+
+
+def _appendable_layers(caches: list[Any], layer: int) -> list[Any] | None:
+    """Each row's cache layer `layer` when every one is a plain, filled transformers DynamicLayer (whose update is
+    one concatenation of keys and of values, which the compiled operator does in its place), else None."""
+    from transformers.cache_utils import DynamicLayer
+
+    found = []
+    for cache in caches:
+        layers = getattr(cache, "layers", None)
+        if getattr(cache, "offloading", True) or layers is None or len(layers) <= layer:
+            return None
+        cache_layer = layers[layer]
+        if type(cache_layer) is not DynamicLayer or not cache_layer.is_initialized:
+            return None
+        found.append(cache_layer)
+    return found
+
+
+_OPERATOR_UNRESOLVED: Any = object()
+_operator: Any = _OPERATOR_UNRESOLVED
+
+
+def _ragged_operator() -> Callable[..., Any] | None:
+    """`prunewatch::ragged_decode_attention`, built with the sparse kernel; None where that cannot be built, and
+    batched steps attend row by row in Python instead (the same results, slower)."""
+    global _operator
+    if _operator is _OPERATOR_UNRESOLVED:
+        from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, build
+
+        try:
+            build()
+            _operator = torch.ops.prunewatch.ragged_decode_attention
+        except SparseKernelUnavailableError as exc:
+            logger.info("batched decode steps attend row by row in Python: %s", exc)
+            _operator = None
+    return _operator
 
 
 def install_ragged_attention(model: torch.nn.Module) -> None:

@@ -30,7 +30,10 @@ from prunewatch.engine.paths import cache_root
 
 logger = logging.getLogger("prunewatch.engine.sparse")
 
-SOURCE = Path(str(files("prunewatch.engine.sparse").joinpath("csrc", "sparse_linear.cpp")))
+SOURCES = tuple(Path(str(files("prunewatch.engine.sparse").joinpath("csrc", name)))
+                for name in ("sparse_linear.cpp", "ragged_attention.cpp"))
+"""The extension's sources: the sparse linear kernel, and the attention of a batched decode step
+(csrc/ragged_attention.cpp, used by prunewatch.engine.batching), built together as one module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""
 
@@ -73,7 +76,8 @@ def _isa_flags() -> list[str]:
 def cache_dir() -> Path:
     """Where the kernel is compiled: one folder per torch version, instruction set, source and flags."""
     root = Path(os.environ.get(CACHE_ENV) or cache_root() / "extensions")
-    build_digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    build_digest = hashlib.sha256(sources + " ".join(_isa_flags()).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.replace('+', '-')}-{torch.backends.cpu.get_cpu_capability()}-{build_digest}"
     return root / "sparse_linear" / tag
 
@@ -117,7 +121,7 @@ def build(verbose: bool = False) -> ModuleType:
             with _exclusive_build(directory):
                 module = cpp_extension.load(
                     name="prunewatch_sparse_linear",
-                    sources=[str(SOURCE)],
+                    sources=[str(source) for source in SOURCES],
                     extra_cflags=["-O3", "-fopenmp", *_isa_flags()],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(directory),
