@@ -83,6 +83,35 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
         "weighs both by their FLOPs.",
         p, [prom(ref, expr, f"{phase} · {{{{domain}}}}") for ref, (phase, expr) in zip("AB", promql.PHASE_RATIOS.items())],
         unit="percentunit", width=24, height=7, minimum=0, maximum=1))
+    layout.add(row("Serving under load (prunewatch serve's batcher)"))
+    layout.add(timeseries(
+        "Stepper time by activity (measured share)",
+        "Where the batcher's stepper thread, which runs every forward pass of `prunewatch serve`, spent its time: "
+        "decode (batched steps shared by every request whose next token is due), jobs (prefill chunks and quality "
+        "passes, run alone between steps), gather (waiting for the other requests' next rows) and idle, from "
+        "prunewatch_batcher_seconds_total. A growing jobs share is prefill stalling the requests already decoding.",
+        p, [prom("A", promql.STEPPER_SHARE, "{{activity}} · {{model}}")],
+        unit="percentunit", width=12, bars=True, stacked=True, minimum=0, maximum=1))
+    layout.add(timeseries(
+        "Decode step time by rows in the step (measured mean)",
+        "Mean wall time of a batched decode step of b rows (step seconds over steps, by rows): a step reads each "
+        "weight once for all its rows, so the time per token is this over b. Steps of more than one row run dense "
+        "(the union of the rows' active channels leaves little to skip).",
+        p, [prom("A", promql.DECODE_STEP_SECONDS_BY_ROWS, "{{rows}} rows · {{model}}")],
+        unit="s", width=12, minimum=0))
+    layout.add(timeseries(
+        "Decode steps per second by rows in the step (measured)",
+        "How many rows the served requests shared their steps with: steps per second of each size, stacked.",
+        p, [prom("A", promql.DECODE_STEPS_BY_ROWS, "{{rows}} rows · {{model}}")],
+        unit="none", width=12, bars=True, stacked=True, minimum=0))
+    layout.add(timeseries(
+        "KV cache reserved by decoding requests (measured) against its budget (configured)",
+        "Bytes of KV cache the requests decoding together have reserved (each its prompt plus max_tokens at "
+        "every layer), and the budget admission keeps them under (PRUNEWATCH_SERVER_KV_CACHE_MIB, dashed): a "
+        "request that does not fit waits for room.",
+        p, [prom("A", promql.KV_CACHE_RESERVED, "reserved · {{model}}"),
+            prom("B", promql.KV_CACHE_BUDGET, "threshold budget · {{model}}")],
+        unit="bytes", width=12, minimum=0, overrides=[DASHED_THRESHOLDS]))
     layout.add(row("Quality governor"))
     layout.add(timeseries(
         "Governed pruning sensitivity by target and domain (set by the governor from measured agreement)",

@@ -188,6 +188,24 @@ PROBE_WALL_TIME = (
 )
 RESULTS_BY_STATUS = f"sum by (status) (increase(prunewatch_probe_results_total{{{MODEL_DOMAIN}}}[$__range]))"
 
+# -- serving under load: what `prunewatch serve` exports from its batcher (prunewatch.server.metrics) -----------
+MODEL_ONLY = 'model=~"$model"'
+"""Label matcher of a server's own series, which carry the model only."""
+STEPPER_SHARE = (
+    f"sum by (model, activity) (rate(prunewatch_batcher_seconds_total{{{MODEL_ONLY}}}[$__rate_interval]))"
+    f" / ignoring (activity) group_left sum by (model) "
+    f"(rate(prunewatch_batcher_seconds_total{{{MODEL_ONLY}}}[$__rate_interval]))"
+)
+"""Share of the batcher's stepper time per activity (decode, jobs, gather, idle); the shares add up to 1."""
+DECODE_STEP_SECONDS_BY_ROWS = (
+    f"sum by (model, rows) (rate(prunewatch_decode_step_seconds_total{{{MODEL_ONLY}}}[$__rate_interval]))"
+    f" / sum by (model, rows) (rate(prunewatch_decode_steps_total{{{MODEL_ONLY}}}[$__rate_interval]))"
+)
+"""Mean wall time of a batched decode step of each size: what one more row in a step costs."""
+DECODE_STEPS_BY_ROWS = f"sum by (model, rows) (rate(prunewatch_decode_steps_total{{{MODEL_ONLY}}}[$__rate_interval]))"
+KV_CACHE_RESERVED = f"max by (model) (prunewatch_kv_cache_reserved_bytes{{{MODEL_ONLY}}})"
+KV_CACHE_BUDGET = f"max by (model) (prunewatch_kv_cache_budget_bytes{{{MODEL_ONLY}}})"
+
 # -- template variables --------------------------------------------------------------------------
 VAR_MODEL = "label_values(prunewatch_probe_results_total, model)"
 VAR_DOMAIN = 'label_values(prunewatch_probe_results_total{model=~"$model"}, domain)'

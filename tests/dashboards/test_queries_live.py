@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -43,6 +44,7 @@ from prunewatch.records.governor_metrics import GovernorMetrics
 from prunewatch.records.metrics import CollectorMetrics
 from prunewatch.records.results import ProbeResult
 from prunewatch.records.store import connect, create_schema
+from prunewatch.server.metrics import ServerMetrics
 from tests.alerts.conftest import measured_range
 from tests.dashboards.grafana_expand import Selection, expand_promql, expand_sql
 from tests.support.servers import free_port, prometheus_server
@@ -53,6 +55,8 @@ DEADLINE_S = 60.0
 FIRING_ALERT = "ProbeFailing"
 DOMAINS = ("legal", "tech")
 ANOMALOUS_PROMPT = "Explain what this log line means: ################ ERROR ################"
+SERVED_PROMPTS = ("What is a contract?", "Explain how a CPU cache works.", "Describe bond yields in simple words.")
+KV_BUDGET_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -65,6 +69,7 @@ class LiveStack:
     started: datetime
     model: str
     settings: DashboardSettings
+    served_steps: dict[int, int]  # the batcher's decode steps by rows in the step, at the end of the run
 
     def selection(self, values: dict[str, list[str]]) -> Selection:
         """The dashboard with its time range set to the run: queries are evaluated as instants at the
@@ -112,6 +117,31 @@ def _poll(condition, what: str, timeout_s: float = DEADLINE_S, interval_s: float
 def _scraped_total(base: str, expected: int) -> bool:
     result = prom_query(base, "sum(prunewatch_probe_results_total)")
     return bool(result) and float(result[0]["value"][1]) == expected
+
+
+def _scraped_steps(base: str, expected: int) -> bool:
+    result = prom_query(base, "sum(prunewatch_decode_steps_total)")
+    return bool(result) and float(result[0]["value"][1]) == expected
+
+
+def _serve_together(engine, batcher) -> None:
+    """Short dense requests decoding together through the batcher, as `prunewatch serve` runs them."""
+    errors: list[BaseException] = []
+
+    def generate(prompt: str) -> None:
+        try:
+            for _ in engine.stream(prompt, max_new_tokens=6, sensitivity=0.0, batcher=batcher):
+                pass
+        except BaseException as exc:  # re-raised below, in the fixture's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=generate, args=(prompt,)) for prompt in SERVED_PROMPTS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
 
 
 def _rules_evaluated_after(base: str, moment: float) -> bool:
@@ -169,11 +199,22 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
     metrics.set_thresholds(measured_range(model=probe_engine.name).thresholds())  # as `prunewatch run` exports them
     port = free_port()
     metrics_server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    # What `prunewatch serve` exports from its batcher, fed by real requests decoding together through one: the
+    # serving panels' series. Only the batcher's families (no generation is recorded as a live probe result, which
+    # would add a target and a domain to the collector's series the other panels are checked against).
+    batcher = probe_engine.new_batcher(len(SERVED_PROMPTS), threads=2, kv_budget_bytes=KV_BUDGET_BYTES)
+    server_metrics = ServerMetrics(probe_engine.name, registry=CollectorRegistry())
+    server_metrics.watch_stepper(batcher.stepper_time)
+    server_metrics.watch_kv_cache(lambda: batcher.kv_reserved_bytes, KV_BUDGET_BYTES)
+    engine_port = free_port()
+    engine_server, _ = start_http_server(engine_port, addr="127.0.0.1", registry=server_metrics.registry)
     config = yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": ["rules.yml"],
         "scrape_configs": [{"job_name": "prunewatch-collector",
-                            "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}],
+                            "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
+                           {"job_name": "prunewatch-engine",
+                            "static_configs": [{"targets": [f"127.0.0.1:{engine_port}"]}]}],
     })
     plain, with_anomaly = _test_probes()
     # A full quality check: the reference-scored figures (primary) and the continuation ones (secondary panels).
@@ -200,18 +241,25 @@ def live(probe_engine, postgres) -> Iterator[LiveStack]:
                 assert summary.export_errors == 0
                 if target is healthy:
                     governor.observe_round(summary, 0.5)
+                    _serve_together(probe_engine, batcher)
                 results.extend(summary.results)
                 rounds += 1
                 _poll(lambda: _scraped_total(prom.url, len(results)), f"a scrape after round {rounds}")
+                steps = sum(batcher.batch_sizes.values())
+                _poll(lambda steps=steps: _scraped_steps(prom.url, steps),
+                      f"the batcher's steps scraped after round {rounds}")
             scraped_at = time.time()
             _poll(lambda: _rules_evaluated_after(prom.url, scraped_at), "a rule evaluation after the last scrape")
             _poll(lambda: prom_query(prom.url, f'ALERTS{{alertname="{FIRING_ALERT}", alertstate="firing"}}'),
                   f"{FIRING_ALERT} firing")
             yield LiveStack(prometheus_url=prom.url, db_url=db_url, results=[r for r in results if not r.baseline],
                             baselines=[r for r in results if r.baseline], rounds=rounds,
-                            started=started, model=probe_engine.name, settings=DashboardSettings())
+                            started=started, model=probe_engine.name, settings=DashboardSettings(),
+                            served_steps=dict(batcher.batch_sizes))
     finally:
         metrics_server.shutdown()
+        engine_server.shutdown()
+        batcher.close()
         db.dispose()
 
 
@@ -272,7 +320,7 @@ def test_every_promql_target_returns_finite_data(live, dashboards):
             if not _finite_values(result):
                 empty.append(f"{query.label}: {result}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
-    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 42
+    assert checked == sum(q.language == "promql" for d in dashboards.values() for q in panel_queries(d)) == 47
 
 
 def test_every_sql_target_returns_rows(live, dashboards):
@@ -385,6 +433,22 @@ def test_dram_panel_keeps_its_source_label(live, dashboards):
     result = _query(live, dashboards["prunewatch-engine.json"], "DRAM bytes per instruction (by source)")
     sources = {r.dram_source for r in live.results if r.ok and r.dram_bytes_per_instruction is not None}
     assert {s["metric"]["source"] for s in result} == sources == {"estimate"}
+
+
+def test_serving_panels_read_the_batchers_own_time_and_steps(live, dashboards):
+    engine = dashboards["prunewatch-engine.json"]
+    shares = _query(live, engine, "Stepper time by activity (measured share)")
+    assert {s["metric"]["activity"] for s in shares} == {"decode", "jobs", "gather", "idle"}
+    assert math.isclose(sum(float(s["value"][1]) for s in shares), 1.0, rel_tol=1e-9)
+    assert all(float(s["value"][1]) > 0 for s in shares if s["metric"]["activity"] in ("decode", "jobs"))
+    steps = _query(live, engine, "Decode steps per second by rows in the step (measured)")
+    assert {int(s["metric"]["rows"]) for s in steps} == set(live.served_steps)
+    assert max(live.served_steps) >= 2  # the requests really shared steps
+    panel = "KV cache reserved by decoding requests (measured) against its budget (configured)"
+    (budget,) = _query(live, engine, panel, ref="B")
+    assert float(budget["value"][1]) == KV_BUDGET_BYTES
+    (reserved,) = _query(live, engine, panel)
+    assert float(reserved["value"][1]) == 0  # every request finished and gave its reservation back
 
 
 def _sql_rows(live: LiveStack, dashboard: dict, panel: str) -> list[Any]:
