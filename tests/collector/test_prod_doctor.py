@@ -171,6 +171,7 @@ def test_without_a_config_file_doctor_checks_the_main_job(tmp_path, monkeypatch,
     """`prunewatch doctor` alone checks what `prunewatch run` would probe, from the same PRUNEWATCH_* variables: the
     alert runbooks send people there for the main job, which has no targets file."""
     monkeypatch.setenv("HOME", str(tmp_path))  # no calibration cached yet: the one check that must fail
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("PRUNEWATCH_MODEL_DIR", str(probe_model_dir))
     monkeypatch.setenv("PRUNEWATCH_DB_URL", collected_sqlite)
     monkeypatch.setenv("PRUNEWATCH_METRICS_PORT", "0")  # the main job serves no /metrics: nothing to check there

@@ -116,7 +116,10 @@ def test_models_root_prefers_override_then_env_then_home(tmp_path, monkeypatch):
     assert model_store.models_root(tmp_path / "arg") == tmp_path / "arg"
     assert model_store.models_root() == tmp_path / "env"
     monkeypatch.delenv("PRUNEWATCH_MODELS_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert model_store.models_root() == Path.home() / ".cache" / "prunewatch" / "models"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert model_store.models_root() == tmp_path / "xdg" / "prunewatch" / "models"
 
 
 def test_pull_converts_once_then_is_a_noop(tmp_path, spec, calls, monkeypatch):
