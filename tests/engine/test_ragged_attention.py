@@ -58,6 +58,14 @@ def test_the_operator_gives_the_python_loops_outputs_and_caches_bitwise(
         assert ours.get_seq_length(0) == theirs.get_seq_length(0) == length + 1
         assert torch.equal(ours.layers[0].keys, theirs.layers[0].keys)
         assert torch.equal(ours.layers[0].values, theirs.layers[0].values)
+        # The operator stands in for DynamicLayer.update: if a transformers upgrade makes update keep any other
+        # state (a length counter, a flag), the layers differ here and the operator must learn to keep it too.
+        assert _state(ours.layers[0]) == _state(theirs.layers[0])
+
+
+def _state(layer: DynamicLayer) -> dict[str, object]:
+    """A cache layer's attributes other than its key and value tensors."""
+    return {name: value for name, value in vars(layer).items() if not isinstance(value, torch.Tensor)}
 
 
 def test_each_row_attends_over_its_own_cache_as_a_batch_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
