@@ -30,10 +30,16 @@ from prunewatch.engine.paths import cache_root
 
 logger = logging.getLogger("prunewatch.engine.sparse")
 
-SOURCES = tuple(Path(str(files("prunewatch.engine.sparse").joinpath("csrc", name)))
-                for name in ("sparse_linear.cpp", "ragged_attention.cpp"))
-"""The extension's sources: the sparse linear kernel, and the attention of a batched decode step
-(csrc/ragged_attention.cpp, used by prunewatch.engine.batching), built together as one module."""
+def _csrc(name: str) -> Path:
+    return Path(str(files("prunewatch.engine.sparse").joinpath("csrc", name)))
+
+
+SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_q8_linear.cpp", "ragged_attention.cpp"))
+"""The extension's sources, built together as one module: the sparse linear kernel, the dense decode product of
+int4 weights on int8-quantized activations (csrc/int4_q8_linear.cpp), and the attention of a batched decode step
+(csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
+HEADERS = tuple(_csrc(name) for name in ("int4_q8_linear.h", "thread_count.h"))
+"""Headers the sources include: part of the build's digest, so that changing one rebuilds the module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""
 
@@ -76,7 +82,7 @@ def _isa_flags() -> list[str]:
 def cache_dir() -> Path:
     """Where the kernel is compiled: one folder per torch version, instruction set, source and flags."""
     root = Path(os.environ.get(CACHE_ENV) or cache_root() / "extensions")
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     build_digest = hashlib.sha256(sources + " ".join(_isa_flags()).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.replace('+', '-')}-{torch.backends.cpu.get_cpu_capability()}-{build_digest}"
     return root / "sparse_linear" / tag
@@ -179,12 +185,25 @@ def counted_op() -> Callable[..., torch.Tensor]:
         if not _FAKE_REGISTERED:
             # What the compiler traces instead of the kernel: the output's shape and dtype only.
             @torch.library.register_fake("prunewatch::sparse_linear_counted")
-            def _(x, wt, bias, scale, thresholds, keeps, threads, stats, slot, weight_scale=None):
+            def _(x, wt, bias, scale, thresholds, keeps, threads, stats, slot, weight_scale=None, by_output=None):
                 out = wt.shape[1] * 2 if wt.dtype == torch.uint8 else wt.shape[1]  # int4: two outputs per byte
                 return x.new_empty((x.shape[0], out))
 
             _FAKE_REGISTERED = True
     return torch.ops.prunewatch.sparse_linear_counted
+
+
+Int4Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+"""(x, by_output, scales, bias, threads) -> y: the dense product of int4 weights on int8-quantized activations."""
+
+
+def int4_dense_kernel(device: torch.device | str) -> Int4Kernel:
+    """The dense decode product of int4 weights laid out by output (quantize.pack_int4_by_output), each group
+    of 32 inputs quantized to int8 and multiplied with integer dot products (csrc/int4_q8_linear.cpp). CPU only:
+    raises SparseKernelUnavailableError for other devices or where the extension cannot be built."""
+    if torch.device(device).type != "cpu":
+        raise SparseKernelUnavailableError(f"int4 weights have a CPU kernel only, not one for {torch.device(device).type}")
+    return build().int4_q8_linear
 
 
 def sparse_linear(

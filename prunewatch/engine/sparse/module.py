@@ -13,10 +13,13 @@ untouched and is counted as dense.
 With int8 or int4 weights (SparsityOptions.weights, prunewatch/engine/sparse/quantize.py) the kernel reads
 the quantized rows and their scales (int4: the scales and minimums of every group, counted in full per
 call); every call with few rows goes to it, the dense ones too (all channels read), so a decode step
-reads a quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. The
-wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS
-product is faster than converting quantized weights row by row) and for head-gated slices: every path
-multiplies by the same values, so the model is the quantized model throughout, at 1.16-1.25x the fp32 memory.
+reads a quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. An int4 layer's
+dense calls with few rows go instead to a product on int8-quantized activations (csrc/int4_q8_linear.cpp: the
+weights multiplied as the small integers they are, about twice the speed of converting them to fp32), which reads
+a second copy of the int4 weights laid out by output; sparse calls keep reading the active rows. The wrapped layer
+keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is faster than
+converting quantized weights row by row) and for head-gated slices: every path multiplies by the same weights, so
+the model is the quantized model throughout, at 1.25x (int8) or about 1.3x (int4) the fp32 memory.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ from prunewatch.engine.execution import (
     ExecutionPlan,
     current_execution,
 )
-from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel
+from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel, int4_dense_kernel
 from prunewatch.engine.sparse.quantize import (
     WeightFormat,
     dequantize_int4,
     dequantize_int8,
     int4_fits,
+    pack_int4_by_output,
     quantize_int4,
     quantize_int8,
 )
@@ -125,6 +129,10 @@ class SparseLinear(LinearWrapper):
             linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
         self.register_buffer("weight_t", weight_t, persistent=False)
         self.register_buffer("weight_scale", weight_scale, persistent=False)
+        # int4: the same weights laid out by output for the dense product on int8-quantized activations
+        int4 = self.weight_format == "int4"
+        self.register_buffer("weight_by_output", pack_int4_by_output(weight_t) if int4 else None, persistent=False)
+        self._int4_dense = int4_dense_kernel(weight.device) if int4 else None
         self.register_buffer("scale", scale.to(weight.device, torch.float32).contiguous(), persistent=False)
         self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
         self._kernel_is_cuda = weight.device.type == "cuda"  # a model moved after installing resolves per call
@@ -209,7 +217,7 @@ class SparseLinear(LinearWrapper):
             return self._dense(x)
         # int8 weights go through the kernel in every graph: at target 0 its threshold reads every row
         output = self.counted_call(x.reshape(-1, self.in_features), self.weight_t, self._bias[0], self.scale,
-                                   self.weight_scale)
+                                   self.weight_scale, self.weight_by_output)
         return output.reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,17 +229,22 @@ class SparseLinear(LinearWrapper):
         return F.linear(x, linear.weight, linear.bias)
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
-        """The dense product through the kernel reading every row when the call has few rows (int8 / int4: the
-        block counted the fp32 bytes, the call read the quantized rows and their scales; fp32 under a row-invariant
-        plan: the same bytes), else the wrapped layer on the dequantized weights (a prefill: compute-bound, where
-        BLAS is faster)."""
+        """The dense product when the call has few rows: int4 on int8-quantized activations, else the kernel
+        reading every row (int8 / int4: the block counted the fp32 bytes, the call read the quantized rows and their
+        scales; fp32 under a row-invariant plan: the same bytes); with many rows the wrapped layer on the
+        dequantized weights (a prefill: compute-bound, where BLAS is faster)."""
         rows = x.numel() // self.in_features
         if rows > self.max_kernel_rows:
             return self._dense(x)
-        kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
         buffers = self._buffers
-        output, _, _ = kernel(x if x.dim() == 2 else x.reshape(rows, self.in_features), buffers["weight_t"],
-                              self._bias[0], buffers["scale"], -1.0, -1, self.kernel_threads, buffers["weight_scale"])
+        flat = x if x.dim() == 2 else x.reshape(rows, self.in_features)
+        if self._int4_dense is not None:
+            output = self._int4_dense(flat, buffers["weight_by_output"], buffers["weight_scale"], self._bias[0],
+                                      self.kernel_threads)
+        else:
+            kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
+            output, _, _ = kernel(flat, buffers["weight_t"], self._bias[0], buffers["scale"], -1.0, -1,
+                                  self.kernel_threads, buffers["weight_scale"])
         ledger.weight_bytes_read -= self._counted_bytes - self.dense_read_bytes
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 

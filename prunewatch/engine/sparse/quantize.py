@@ -22,7 +22,7 @@ import torch
 from prunewatch.engine.settings import WeightFormat
 
 __all__ = ["INT4_GROUP", "INT8_MAX", "WeightFormat", "dequantize_int4", "dequantize_int8", "int4_fits",
-           "quantize_int4", "quantize_int8"]
+           "pack_int4_by_output", "quantize_int4", "quantize_int8"]
 
 INT8_MAX = 127  # symmetric: -127..127, so negating a weight never overflows
 INT4_GROUP = 32  # input channels per int4 scale and minimum (GGUF's Q4_0 / Q4_1 block size)
@@ -81,11 +81,36 @@ def quantize_int4(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), torch.stack((step, minimum), dim=1).contiguous()
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 (in, out) weights an int4 layer stands for: what the int4 kernel multiplies by."""
+INT4_OUTPUT_BLOCK = 8  # outputs whose weights the dense int4 product reads together
+
+
+def _int4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """q (in, out) in 0..15 from quantize_int4's packed (in, out / 2) bytes."""
     rows = packed.shape[0]
     out = packed.shape[1] * 2
     runs = packed.reshape(rows, out // INT4_GROUP, INT4_GROUP // 2)
-    q = torch.stack((runs & 0xF, runs >> 4), dim=2).reshape(rows // INT4_GROUP, INT4_GROUP, out).float()
+    return torch.stack((runs & 0xF, runs >> 4), dim=2).reshape(rows, out)
+
+
+def pack_int4_by_output(packed: torch.Tensor) -> torch.Tensor:
+    """The same int4 weights laid out by output for the dense decode product (csrc/int4_q8_linear.cpp):
+    uint8 (out / 8, in / 32, 8, 16), where [ob, g, k] holds the 32 weights of output 8 * ob + k in group g as
+    GGUF's Q4_1 packs a block (byte j: input j in the low nibble, input j + 16 in the high one). A block of 8
+    outputs is one contiguous run per group, read in order."""
+    rows, half = packed.shape
+    out = half * 2
+    if packed.dtype != torch.uint8 or not int4_fits(rows, out):
+        raise ValueError(f"packed must be quantize_int4's uint8 (in, out / 2) bytes, got {tuple(packed.shape)} "
+                         f"{packed.dtype}")
+    q = _int4_codes(packed).t().reshape(out, rows // INT4_GROUP, 2, INT4_GROUP // 2)
+    by_output = q[:, :, 0, :] | (q[:, :, 1, :] << 4)  # (out, groups, 16)
+    return by_output.reshape(out // INT4_OUTPUT_BLOCK, INT4_OUTPUT_BLOCK, rows // INT4_GROUP, INT4_GROUP // 2).permute(
+        0, 2, 1, 3).contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 (in, out) weights an int4 layer stands for: what the int4 kernel multiplies by."""
+    rows = packed.shape[0]
+    q = _int4_codes(packed).reshape(rows // INT4_GROUP, INT4_GROUP, -1).float()
     step, minimum = scales[:, 0, :].float(), scales[:, 1, :].float()
-    return (q * step[:, None, :] + minimum[:, None, :]).reshape(rows, out)
+    return (q * step[:, None, :] + minimum[:, None, :]).reshape(rows, -1)

@@ -142,12 +142,14 @@ class LinearWrapper(nn.Module):
         return self._compiled_stats is not None
 
     def counted_call(self, flat: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
-                     scale: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                     by_output: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel on (rows, in) inputs at the threshold and top-k in force, counted in the attached row;
-        weight_scale: the per-output scales of int8 weight_t (None for floating-point weights)."""
+        weight_scale: the scales of quantized weight_t (None for floating-point weights); by_output: int4 weights
+        laid out by output, which a dense call (no threshold, no top-k) multiplies as the eager layer does."""
         thresholds, keeps = self._compiled_controls
         return self._counted_op(flat, weight_t, bias, scale, thresholds, keeps, self.kernel_threads,
-                                self._compiled_stats, self._compiled_slot, weight_scale)
+                                self._compiled_stats, self._compiled_slot, weight_scale, by_output)
 
 
 def find_sparse_targets(instrumented: InstrumentedModel, projections: Sequence[str] = DEFAULT_PROJECTIONS,
