@@ -4,9 +4,11 @@
 Why: where PyTorch already has a fast kernel for a product, the engine should use it rather than its own. torch
 ships CPU weight-only kernels for int8 (`aten._weight_int8pack_mm`, one scale per output channel) and int4
 (`aten._weight_int4pack_mm_for_cpu`, groups with a scale and zero point). This times them against fp32 `F.linear`
-and the engine's sparse kernel reading every row (int8 per output channel, int4 in Q4_1 groups of 32) on every
+and the engine's sparse kernel reading every row (int8 per output channel, int4 in Q4_1 groups of 32), and the
+engine's dense int4 product (weights laid out by output: what an int4 layer's dense decode call runs), on every
 distinct (in, out) shape of the model's projections, one token row, the configurations interleaved in rotating
-order; each product is first checked against the fp32 product of the weights it stands for.
+order; each product is first checked against the fp32 product of the weights it stands for (both engine int4
+products round their inputs to int8 per group of 32, llama.cpp's Q4_1 x Q8 arithmetic, so they differ by that).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from pathlib import Path
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 
-KERNELS = ("fp32 F.linear", "torch int8pack", "torch int4pack", "engine int8", "engine int4")
+KERNELS = ("fp32 F.linear", "torch int8pack", "torch int4pack", "engine int8", "engine int4", "engine int4 dense")
+ROUNDED_INPUTS = ("engine int4", "engine int4 dense")
+"""Products whose inputs are rounded to int8 per group of 32: their error against fp32 is that rounding's."""
 METHOD = {
     "us": "measured: microseconds per product of one token row, median over repetitions in rotating order",
     "vs_fp32": "measured: the fp32 product's median time over this kernel's (above 1: faster than fp32)",
-    "max_abs_error": "measured: largest difference from the fp32 product of the dequantized weights, one input",
+    "max_abs_error": "measured: largest difference from the fp32 product of the dequantized weights, one input "
+                     "(engine int4 products: their inputs rounded to int8 per group of 32)",
 }
 
 
@@ -40,12 +45,18 @@ def layer_shapes(model_dir: Path) -> list[tuple[int, int]]:
 
 
 def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
-    """The five products of one random layer of this shape, and each one's largest error against fp32."""
+    """The products of one random layer of this shape, and each one's largest error against fp32."""
     import torch
     import torch.nn.functional as F
 
-    from prunewatch.engine.sparse.kernel import sparse_linear
-    from prunewatch.engine.sparse.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+    from prunewatch.engine.sparse.kernel import int4_dense_kernel, sparse_linear
+    from prunewatch.engine.sparse.quantize import (
+        dequantize_int4,
+        dequantize_int8,
+        pack_int4_by_output,
+        quantize_int4,
+        quantize_int8,
+    )
 
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(n_out, n_in, generator=g) / n_in ** 0.5
@@ -53,6 +64,7 @@ def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], 
     ones = torch.ones(n_in)
     q8, s8 = quantize_int8(weight.t().contiguous())
     q4, s4 = quantize_int4(weight.t().contiguous())
+    q4_by_output, int4_dense = pack_int4_by_output(q4), int4_dense_kernel("cpu")
     q8_rows = q8.t().contiguous()  # torch's int8 kernel takes (out, in)
     # torch's int4 layout: (out, in) values 0..15 with w = (q - 8) * scale + zero per group; the same Q4_1 blocks
     deq4 = dequantize_int4(q4, s4)
@@ -67,9 +79,11 @@ def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], 
         "torch int4pack": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_int4, 32, scales_zeros),
         "engine int8": lambda: sparse_linear(x, q8, None, ones, -1.0, weight_scale=s8).output,
         "engine int4": lambda: sparse_linear(x, q4, None, ones, -1.0, weight_scale=s4).output,
+        "engine int4 dense": lambda: int4_dense(x, q4_by_output, s4, None, 0),
     }
     references = {"fp32 F.linear": x @ weight.t(), "torch int8pack": x @ dequantize_int8(q8, s8),
-                  "engine int8": x @ dequantize_int8(q8, s8), "torch int4pack": x @ deq4, "engine int4": x @ deq4}
+                  "engine int8": x @ dequantize_int8(q8, s8), "torch int4pack": x @ deq4, "engine int4": x @ deq4,
+                  "engine int4 dense": x @ deq4}
     errors = {name: float((products[name]() - references[name]).abs().max()) for name in KERNELS}
     return products, errors
 
