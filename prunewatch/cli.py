@@ -206,8 +206,7 @@ def serve_command(
     probes: Annotated[Path | None, typer.Option(help="Calibration probes YAML (default: the calibration set).")] = None,
     weights: Annotated[str | None, typer.Option(help="fp32, int8 (one scale per output channel; a quarter of the "
                                                   "bytes per decode step) or int4 (groups of 32 with a scale and "
-                                                  "minimum, GGUF Q4_1, multiplied by inputs rounded to int8 per group "
-                                                  "of 32 as llama.cpp does; head int8); CPU only. "
+                                                  "minimum, GGUF Q4_1; head int8); CPU only. "
                                                   "(env PRUNEWATCH_ENGINE_WEIGHTS)")] = None,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with pruning headers and /metrics."""

@@ -7,8 +7,8 @@ ships CPU weight-only kernels for int8 (`aten._weight_int8pack_mm`, one scale pe
 and the engine's sparse kernel reading every row (int8 per output channel, int4 in Q4_1 groups of 32), and the
 engine's dense int4 product (weights laid out by output: what an int4 layer's dense decode call runs), on every
 distinct (in, out) shape of the model's projections, one token row, the configurations interleaved in rotating
-order; each product is first checked against the fp32 product of the weights it stands for (both engine int4
-products round their inputs to int8 per group of 32, llama.cpp's Q4_1 x Q8 arithmetic, so they differ by that).
+order; each product is first checked against the fp32 product of the weights it stands for (the dense int4 product
+rounds its inputs to int16 per group of 32, so it differs by that rounding).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 
 KERNELS = ("fp32 F.linear", "torch int8pack", "torch int4pack", "engine int8", "engine int4", "engine int4 dense")
-ROUNDED_INPUTS = ("engine int4", "engine int4 dense")
-"""Products whose inputs are rounded to int8 per group of 32: their error against fp32 is that rounding's."""
+ROUNDED_INPUTS = ("engine int4 dense",)
+"""Products whose inputs are rounded to int16 per group of 32: their error against fp32 is that rounding's."""
 METHOD = {
     "us": "measured: microseconds per product of one token row, median over repetitions in rotating order",
     "vs_fp32": "measured: the fp32 product's median time over this kernel's (above 1: faster than fp32)",
     "max_abs_error": "measured: largest difference from the fp32 product of the dequantized weights, one input "
-                     "(engine int4 products: their inputs rounded to int8 per group of 32)",
+                     "(engine int4 dense: its inputs rounded to int16 per group of 32)",
 }
 
 

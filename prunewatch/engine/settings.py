@@ -175,8 +175,8 @@ class EngineSettings(BaseSettings):
             "kernel, dense plans included: a quarter of the bytes per step, on the CPU only; or 'int4' in groups of 32 "
             "input channels with an fp16 scale and minimum each (GGUF's Q4_1 block: a model shipped as Q4_1 keeps "
             "its exact weights), the output head int8, and a layer whose sizes are not multiples of 32 int8 too; an "
-            "int4 layer's dense decode products quantize their inputs to int8 per group of 32 and multiply with "
-            "integer dot products (llama.cpp's Q4_1 x Q8 arithmetic). "
+            "int4 layer's dense decode products round their inputs to int16 per group of 32 and multiply as "
+            "integers. "
             "The quality of each against fp32 dense is measured by `prunewatch bench precision`."),
     )
     threads: int | None = Field(

@@ -100,8 +100,8 @@ def test_weight_kernel_bench_times_every_kernel_on_every_layer_shape(probe_model
     for row in result["rows"]:
         assert set(row["kernels"]) == set(weight_kernels.KERNELS)
         assert row["kernels"]["fp32 F.linear"]["vs_fp32"] == 1.0
-        # every product computes what its weights stand for (timings are reported, never asserted); the int4
-        # products round their inputs to int8 per group of 32, which moves an output of these layers by ~1e-2
+        # every product computes what its weights stand for (timings are reported, never asserted); the dense int4
+        # product rounds its inputs to int16 per group of 32, which moves an output of these layers by ~1e-5
         for name, kernel in row["kernels"].items():
-            rounded = name in weight_kernels.ROUNDED_INPUTS
-            assert kernel["us"] > 0 and (0 < kernel["max_abs_error"] < 0.05 if rounded else kernel["max_abs_error"] < 1e-4)
+            limit = 1e-3 if name in weight_kernels.ROUNDED_INPUTS else 1e-4
+            assert kernel["us"] > 0 and kernel["max_abs_error"] < limit

@@ -34,11 +34,11 @@ def _csrc(name: str) -> Path:
     return Path(str(files("prunewatch.engine.sparse").joinpath("csrc", name)))
 
 
-SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_q8_linear.cpp", "ragged_attention.cpp"))
+SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_dense.cpp", "ragged_attention.cpp"))
 """The extension's sources, built together as one module: the sparse linear kernel, the dense decode product of
-int4 weights on int8-quantized activations (csrc/int4_q8_linear.cpp), and the attention of a batched decode step
+int4 weights laid out by output (csrc/int4_dense.cpp), and the attention of a batched decode step
 (csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
-HEADERS = tuple(_csrc(name) for name in ("int4_q8_linear.h", "thread_count.h"))
+HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "thread_count.h"))
 """Headers the sources include: part of the build's digest, so that changing one rebuilds the module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""
@@ -194,16 +194,16 @@ def counted_op() -> Callable[..., torch.Tensor]:
 
 
 Int4Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-"""(x, by_output, scales, bias, threads) -> y: the dense product of int4 weights on int8-quantized activations."""
+"""(x, by_output, scales, bias, threads) -> y: the dense product of int4 weights laid out by output."""
 
 
 def int4_dense_kernel(device: torch.device | str) -> Int4Kernel:
-    """The dense decode product of int4 weights laid out by output (quantize.pack_int4_by_output), each group
-    of 32 inputs quantized to int8 and multiplied with integer dot products (csrc/int4_q8_linear.cpp). CPU only:
-    raises SparseKernelUnavailableError for other devices or where the extension cannot be built."""
+    """The dense decode product of int4 weights laid out by output (quantize.pack_int4_by_output), multiplied as
+    integers with each group of 32 inputs rounded to int16 (csrc/int4_dense.cpp). CPU only: raises
+    SparseKernelUnavailableError for other devices or where the extension cannot be built."""
     if torch.device(device).type != "cpu":
         raise SparseKernelUnavailableError(f"int4 weights have a CPU kernel only, not one for {torch.device(device).type}")
-    return build().int4_q8_linear
+    return build().int4_dense_linear
 
 
 def sparse_linear(

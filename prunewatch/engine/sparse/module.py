@@ -14,12 +14,12 @@ With int8 or int4 weights (SparsityOptions.weights, prunewatch/engine/sparse/qua
 the quantized rows and their scales (int4: the scales and minimums of every group, counted in full per
 call); every call with few rows goes to it, the dense ones too (all channels read), so a decode step
 reads a quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. An int4 layer's
-dense calls with few rows go instead to a product on int8-quantized activations (csrc/int4_q8_linear.cpp: the
-weights multiplied as the small integers they are, about twice the speed of converting them to fp32), which reads
-a second copy of the int4 weights laid out by output; sparse calls keep reading the active rows. The wrapped layer
-keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is faster than
-converting quantized weights row by row) and for head-gated slices: every path multiplies by the same weights, so
-the model is the quantized model throughout, at 1.25x (int8) or about 1.3x (int4) the fp32 memory.
+dense calls with few rows go instead to a product that multiplies the weights as the integers they are, on inputs
+rounded to int16 per group of 32 (csrc/int4_dense.cpp, about 1.5x the speed of widening each weight to fp32),
+reading a second copy of the int4 weights laid out by output; sparse calls keep reading the active rows. The
+wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is
+faster than converting quantized weights row by row) and for head-gated slices: every path multiplies by the same
+weights, so the model is the quantized model throughout, at about 1.25x the bytes of its fp32 weights.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class SparseLinear(LinearWrapper):
         return F.linear(x, linear.weight, linear.bias)
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
-        """The dense product when the call has few rows: int4 on int8-quantized activations, else the kernel
+        """The dense product when the call has few rows: int4 laid out by output (csrc/int4_dense.cpp), else the kernel
         reading every row (int8 / int4: the block counted the fp32 bytes, the call read the quantized rows and their
         scales; fp32 under a row-invariant plan: the same bytes); with many rows the wrapped layer on the
         dequantized weights (a prefill: compute-bound, where BLAS is faster)."""

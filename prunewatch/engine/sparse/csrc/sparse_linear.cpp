@@ -26,9 +26,12 @@
 // Or int4 in groups of 32 input channels with a scale and a minimum per (group, output), both fp16:
 // W[o, i] ~ d[g, o] * q[i, o] + m[g, o] with q in 0..15 and g = i / 32, which is GGUF's Q4_1 block read
 // along the other axis. Row i of wt then holds out / 2 bytes: in each run of 32 outputs, byte k carries
-// output k in its low nibble and output k + 16 in its high one. The channels are selected here; their
-// product runs on int8-quantized inputs with integer dot products (int4_q8_linear.cpp), which converting
-// each weight to fp32 could not keep up with.
+// output k in its low nibble and output k + 16 in its high one, so one 16-byte load widens into two
+// vectors of 16 consecutive outputs. Per group, sum_i x_i W[o, i] = d[g, o] * sum_i x_i q[i, o] +
+// m[g, o] * sum_i x_i: the inner sums run on small integers converted to fp32 in registers, and the
+// scales are applied once per group and output.
+//
+// A dense call of an int4 layer with few rows goes instead to int4_dense.cpp, on the weights laid out by output.
 
 #include <torch/extension.h>
 
@@ -42,7 +45,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "int4_q8_linear.h"
+#include "int4_dense.h"
 #include "thread_count.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -213,6 +216,148 @@ inline void int8_group_into(const int8_t* const* w, const float* c, float* acc, 
 }
 
 constexpr int64_t kQuantGroup = 32;  // int4: input channels sharing one scale and minimum per output
+
+// acc[0, out) += d * (sum over k of c[k] * q_k) + m * (sum over k of c[k]) for the `count` active rows w[k]
+// of one int4 group (d, m: that group's fp16 scale and minimum rows). The partial sums of 64 (AVX-512) or
+// 32 (AVX2) outputs stay in registers over all the group's rows, so each output is loaded and stored once
+// per group. next[0, next_count): the rows of the thread's next group, whose same columns are requested
+// as these are combined.
+inline void int4_group_into(const uint8_t* const* w, const float* c, int64_t count, const at::Half* d,
+                            const at::Half* m, float* acc, int64_t out, const uint8_t* const* next, int64_t next_count) {
+  float total = 0.0f;
+  for (int64_t k = 0; k < count; ++k) total += c[k];
+  int64_t o = 0;
+#if defined(__AVX512F__)
+  const __m512i low = _mm512_set1_epi32(0xF);
+  const __m512 sum = _mm512_set1_ps(total);
+  auto widen = [](const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  auto half16 = [](const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  auto finish = [&](__m512 t, int64_t at) {
+    _mm512_storeu_ps(acc + at, _mm512_fmadd_ps(half16(d + at), t, _mm512_fmadd_ps(half16(m + at), sum, _mm512_loadu_ps(acc + at))));
+  };
+  for (; o + 64 <= out; o += 64) {
+    for (int64_t k = 0; k < next_count; ++k) __builtin_prefetch(next[k] + o / 2, 0, kPrefetchLocality);
+    __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps(), t2 = _mm512_setzero_ps(), t3 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < count; ++k) {
+      const __m512 cv = _mm512_set1_ps(c[k]);
+      const uint8_t* p = w[k] + o / 2;
+      const __m512i v0 = widen(p), v1 = widen(p + 16);
+      t0 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), t0);
+      t1 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), t1);
+      t2 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_and_si512(v1, low)), t2);
+      t3 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), t3);
+    }
+    finish(t0, o);
+    finish(t1, o + 16);
+    finish(t2, o + 32);
+    finish(t3, o + 48);
+  }
+  for (; o + 32 <= out; o += 32) {
+    __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < count; ++k) {
+      const __m512 cv = _mm512_set1_ps(c[k]);
+      const __m512i v0 = widen(w[k] + o / 2);
+      t0 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), t0);
+      t1 = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), t1);
+    }
+    finish(t0, o);
+    finish(t1, o + 16);
+  }
+#elif defined(__AVX2__)
+  const __m256i low = _mm256_set1_epi32(0xF);
+  const __m256 sum = _mm256_set1_ps(total);
+  auto widen = [](const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); };
+  auto half8 = [](const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  auto finish = [&](__m256 t, int64_t at) {
+    _mm256_storeu_ps(acc + at, _mm256_fmadd_ps(half8(d + at), t, _mm256_fmadd_ps(half8(m + at), sum, _mm256_loadu_ps(acc + at))));
+  };
+  for (; o + 32 <= out; o += 32) {
+    for (int64_t k = 0; k < next_count; ++k) __builtin_prefetch(next[k] + o / 2, 0, kPrefetchLocality);
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps(), t3 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < count; ++k) {
+      const __m256 cv = _mm256_set1_ps(c[k]);
+      const uint8_t* p = w[k] + o / 2;
+      const __m256i v0 = widen(p), v1 = widen(p + 8);  // bytes 0-7: outputs o..o+7 and o+16..o+23; 8-15: the rest
+      t0 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), t0);
+      t1 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), t1);
+      t2 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), t2);
+      t3 = _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), t3);
+    }
+    finish(t0, o);
+    finish(t1, o + 8);
+    finish(t2, o + 16);
+    finish(t3, o + 24);
+  }
+#endif
+  for (; o < out; ++o) {  // every column on a CPU without AVX2 (out is a multiple of 32: no tail otherwise)
+    const int64_t byte = (o / 32) * 16 + (o % 16);
+    const int shift = (o % 32) < 16 ? 0 : 4;
+    float t = 0.0f;
+    for (int64_t k = 0; k < count; ++k) t += c[k] * static_cast<float>((w[k][byte] >> shift) & 0xF);
+    acc[o] += static_cast<float>(d[o]) * t + static_cast<float>(m[o]) * total;
+  }
+}
+
+// The int4 product of a call's active channels: work is split over the int4 groups that hold active
+// channels (a group's rows share its scales, so a group is never split between threads).
+void accumulate_int4(const Selection& sel, const uint8_t* wt, const at::Half* scales, int64_t rows, int64_t out,
+                     float* acc, int64_t num_threads) {
+  const int64_t n = static_cast<int64_t>(sel.channels.size());
+  std::vector<int64_t> starts;  // first selected channel of each int4 group that has one, then n
+  for (int64_t j = 0; j < n; ++j) {
+    if (j == 0 || sel.channels[j] / kQuantGroup != sel.channels[j - 1] / kQuantGroup) starts.push_back(j);
+  }
+  starts.push_back(n);
+  const int64_t spans = static_cast<int64_t>(starts.size()) - 1;
+  if (spans <= 0) return;
+  const int64_t row_bytes = out / 2;
+  auto body = [&](int64_t begin, int64_t end) {
+    const int64_t tid = num_threads == 1 ? 0 : std::min<int64_t>(at::get_thread_num(), num_threads - 1);
+    float* a = acc + tid * rows * out;
+    const uint8_t* w[kQuantGroup];
+    float c[kQuantGroup];
+    auto prefetch_scales = [&](int64_t s) {  // a span's fp16 scales and minimums: 2 x out values
+      prefetch_bytes(scales + 2 * (sel.channels[starts[s]] / kQuantGroup) * out, 2 * out * 2);
+    };
+    if (begin < end) {  // the first span of this thread, at once
+      for (int64_t j = starts[begin]; j < starts[begin + 1]; ++j) prefetch_bytes(wt + sel.channels[j] * row_bytes, row_bytes);
+      prefetch_scales(begin);
+    }
+    const uint8_t* nw[kQuantGroup];
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t j0 = starts[s], j1 = starts[s + 1];
+      int64_t next_count = 0;
+      if (s + 1 < end) {  // the next span's rows are requested inside the product, its scales here
+        for (int64_t j = starts[s + 1]; j < starts[s + 2]; ++j) nw[next_count++] = wt + sel.channels[j] * row_bytes;
+        prefetch_scales(s + 1);
+      }
+      const int64_t g = sel.channels[j0] / kQuantGroup;
+      const at::Half* d = scales + (2 * g) * out;
+      bool requested = next_count == 0;
+      for (int64_t b = 0; b < rows; ++b) {
+        int64_t count = 0;
+        for (int64_t j = j0; j < j1; ++j) {
+          const float v = sel.coef[j * rows + b];
+          if (v == 0.0f) continue;
+          w[count] = wt + sel.channels[j] * row_bytes;
+          c[count++] = v;
+        }
+        if (count == 0) continue;
+        int4_group_into(w, c, count, d, d + out, a + b * out, out, nw, requested ? 0 : next_count);  // once per span
+        requested = true;
+      }
+    }
+  };
+  // As for the other formats: a thread gets at least kMinWorkPerThread weights (read, not multiply-adds: the same
+  // split for any number of rows), else one thread does it all.
+  const int64_t min_grain = std::max<int64_t>(1, kMinWorkPerThread * spans / std::max<int64_t>(1, n * out));
+  const int64_t grain = std::max(min_grain, (spans + num_threads - 1) / num_threads);
+  if (num_threads == 1 || spans <= grain) {
+    body(0, spans);
+  } else {
+    at::parallel_for(0, spans, grain, body);
+  }
+}
 
 // Output columns per tile: `out` split into equal tiles of at most kMaxTile, rounded up to whole cache lines.
 // Equal rather than fixed-width tiles: a 576-wide layer as one tile instead of 512 + 64 ran its products
@@ -478,17 +623,15 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(const at::Tensor& x, cons
       : select_top_k(xf.data_ptr<float>(), rows, in, sc.data_ptr<float>(), keep);
   const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
   const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
-  if (int4) {  // on int8-quantized inputs, threads splitting the outputs (int4_q8_linear.cpp): one accumulator
-    at::Tensor y = at::zeros({rows, out}, xf.options());
-    prunewatch::int4_q8_sparse_into(sel.channels.data(), static_cast<int64_t>(sel.channels.size()), sel.coef.data(),
-                                    rows, wt.data_ptr<uint8_t>(), weight_scale->data_ptr<at::Half>(), out, num_threads,
-                                    y.data_ptr<float>());
-    return std::make_tuple(finish_quantized(y, 1, rows, out, nullptr, bias).to(x.scalar_type()),
-                           static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
-  }
   // One (rows, out) accumulator per thread; with one thread it is the output itself (no view, no sum:
   // at one token per step these per-call operators cost as much as a small layer's weights).
   at::Tensor acc = num_threads == 1 ? at::zeros({rows, out}, xf.options()) : at::zeros({num_threads, rows, out}, xf.options());
+  if (int4) {
+    accumulate_int4(sel, wt.data_ptr<uint8_t>(), weight_scale->data_ptr<at::Half>(), rows, out, acc.data_ptr<float>(),
+                    num_threads);
+    return std::make_tuple(finish_quantized(acc, num_threads, rows, out, nullptr, bias).to(x.scalar_type()),
+                           static_cast<int64_t>(sel.channels.size()), sel.kept_entries);
+  }
   if (weight_scale.has_value()) {
     accumulate<int8_t>(sel, wt.data_ptr<int8_t>(), rows, out, acc.data_ptr<float>(), num_threads);
     return std::make_tuple(finish_quantized(acc, num_threads, rows, out, weight_scale->data_ptr<float>(), bias)
@@ -540,10 +683,10 @@ at::Tensor sparse_linear_counted(const at::Tensor& x, const at::Tensor& wt, cons
     return bias.has_value() ? at::addmm(*bias, x, wt) : at::mm(x, wt);
   }
   if (limit < 0.0 && top_k < 0 && by_output.has_value()) {
-    // An int4 layer's dense product, as the eager layer computes it (int4_q8_linear.cpp): every row of wt counted.
+    // An int4 layer's dense product, as the eager layer computes it (int4_dense.cpp): every row of wt counted.
     TORCH_CHECK(weight_scale.has_value() && wt.scalar_type() == at::kByte,
                 "sparse_linear_counted: by_output goes with int4 weights and their scales");
-    at::Tensor y = prunewatch::int4_q8_linear(x, *by_output, *weight_scale, bias, threads);
+    at::Tensor y = prunewatch::int4_dense_linear(x, *by_output, *weight_scale, bias, threads);
     int64_t* counts = stats.data_ptr<int64_t>() + 3 * slot;
     counts[0] += wt.size(0);
     counts[1] += x.size(0) * wt.size(0);
@@ -575,8 +718,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("wt"), pybind11::arg("bias"), pybind11::arg("scale"),
         pybind11::arg("threshold"), pybind11::arg("keep"), pybind11::arg("threads"),
         pybind11::arg("weight_scale") = pybind11::none());
-  m.def("int4_q8_linear", &prunewatch::int4_q8_linear,
-        "y = x @ int4 weights + bias, x quantized to int8 per group of 32 inputs (integer dot products)",
+  m.def("int4_dense_linear", &prunewatch::int4_dense_linear,
+        "y = x @ int4 weights (laid out by output) + bias, x rounded to int16 per group of 32 inputs",
         pybind11::arg("x"), pybind11::arg("by_output"), pybind11::arg("scales"), pybind11::arg("bias"),
         pybind11::arg("threads"));
 }

@@ -1,0 +1,208 @@
+// The dense decode product of int4 weights, multiplied as integers on inputs rounded to int16.
+//
+// The sparse kernel (sparse_linear.cpp) widens each int4 weight to fp32 before its multiply-add, so at one token
+// per step its int4 products are bound by those instructions, not by the bytes they read (SmolLM2-135M's layers,
+// 2 threads: ~21 G weights/s whether the weights come from DRAM or from cache). A dense call needs no row
+// selection, so here the weights are laid out by output and multiplied as the small integers they are: each group
+// of 32 inputs of a row is rounded to int16 with a scale of its own (amax / 32767), `madd` multiplies 16 weights
+// by 16 inputs and adds them in pairs, and per group and output the exact integer sum is scaled by the weight's and
+// the input's scales, while the weight's minimum multiplies the group's exact fp32 input sum:
+//   y[o] = sum over g of d[g, o] * dx[g] * sum_i q[i, o] * xq[i] + m[g, o] * sum_i x[i].
+// Why int16 and not llama.cpp's int8 (one `maddubs` per 32 weights, ~1.3x faster again): a group's largest input
+// sets its step, and LLM activations have outlier channels, so at 8 bits the other inputs of an outlier's group
+// lose most of their precision; measured on SmolLM2-135M's 63 held-out prompts, int8 inputs took int4's agreement
+// with fp32 dense from 0.989 to 0.961, under the quality floor. At 16 bits a step is 1/65534 of the group's
+// largest input, far below the int4 weights' own rounding.
+//
+// The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g as
+// GGUF's Q4_1 packs them (byte j: input j in the low nibble, input j + 16 in the high one), so a thread streams one
+// contiguous run of bytes per block of 8 outputs, which the hardware prefetcher follows. The 8 outputs' partial
+// sums are reduced across vector lanes together and kept as one vector per row over all groups.
+//
+// Each output's value depends on its row's inputs only (no sum across rows or threads, one fixed order of groups),
+// so a row gets the same bits in a batch of any size and under any thread count, as batched decoding needs. A CPU
+// without AVX2 takes a scalar path with the same arithmetic.
+
+#include "int4_dense.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "thread_count.h"
+
+namespace prunewatch {
+namespace {
+
+constexpr int64_t kGroup = 32;  // inputs per input scale and per weight scale (the int4 group)
+constexpr int64_t kBlock = 8;  // outputs whose sums are reduced together
+constexpr float kLevels = 32767.0f;  // int16 inputs: -32767..32767
+constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
+
+// One row's group of 32 inputs rounded: q gets them in the order the vectors pair them with the weights (inputs
+// 0-7, 16-23, then 8-15, 24-31: a 128-bit lane each), dx the scale, sx the exact sum.
+void round_group(const float* v, int16_t* q, float* dx, float* sx) {
+  float amax = 0.0f, sum = 0.0f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    amax = std::max(amax, std::fabs(v[j]));
+    sum += v[j];
+  }
+  const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
+  for (int64_t j = 0; j < 8; ++j) {
+    q[j] = static_cast<int16_t>(std::nearbyint(v[j] * inv));
+    q[8 + j] = static_cast<int16_t>(std::nearbyint(v[16 + j] * inv));
+    q[16 + j] = static_cast<int16_t>(std::nearbyint(v[8 + j] * inv));
+    q[24 + j] = static_cast<int16_t>(std::nearbyint(v[24 + j] * inv));
+  }
+  *dx = amax / kLevels;
+  *sx = sum;
+}
+
+struct RoundedRows {
+  std::vector<int16_t> q;  // (rows, groups, 32)
+  std::vector<float> dx, sx;  // (rows, groups)
+};
+
+RoundedRows round_rows(const float* x, int64_t rows, int64_t in) {
+  const int64_t groups = in / kGroup;
+  RoundedRows out{std::vector<int16_t>(rows * groups * kGroup), std::vector<float>(rows * groups),
+                  std::vector<float>(rows * groups)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = r * groups + g;
+      round_group(x + r * in + g * kGroup, out.q.data() + at * kGroup, &out.dx[at], &out.sx[at]);
+    }
+  }
+  return out;
+}
+
+// Input j of the rounded order (see round_group).
+inline int64_t rounded_position(int64_t j) { return (j % 16 < 8 ? 0 : 16) + (j < 16 ? 0 : 8) + j % 8; }
+
+// Outputs [8 * b0, 8 * b1) of every row.
+void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales, const float* bias, int64_t rows,
+                 int64_t groups, int64_t out, int64_t b0, int64_t b1, float* y) {
+#if defined(__AVX2__)
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i zero = _mm256_setzero_si256();
+  std::vector<__m256> acc(rows);
+  for (int64_t ob = b0; ob < b1; ++ob) {
+    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+    const uint8_t* p = w + ob * groups * kBlock * 16;
+    for (int64_t g = 0; g < groups; ++g, p += kBlock * 16) {
+      __m256i wl[kBlock], wh[kBlock];  // per output, 16-bit weights: inputs 0-7 | 16-23 (wl) and 8-15 | 24-31 (wh)
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
+        const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);  // 0-15 | 16-31
+        wl[k] = _mm256_unpacklo_epi8(nibbles, zero);
+        wh[k] = _mm256_unpackhi_epi8(nibbles, zero);
+      }
+      const at::Half* ds = scales + 2 * g * out + ob * kBlock;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + out)));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = r * groups + g;
+        const int16_t* q = xq.q.data() + at * kGroup;
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
+        __m256i s[kBlock];  // eight partial sums of each output (|sum| <= 32 x 15 x 32767 < 2^24: exact as fp32)
+        for (int64_t k = 0; k < kBlock; ++k) {
+          s[k] = _mm256_add_epi32(_mm256_madd_epi16(wl[k], xl), _mm256_madd_epi16(wh[k], xh));
+        }
+        // Across lanes: a = outputs 0-3 (each lane's half), b = outputs 4-7; the halves added give outputs 0-7.
+        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+        const __m256i sums =
+            _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xq.dx[at])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.sx[at]), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 v = bias != nullptr ? _mm256_add_ps(acc[r], _mm256_loadu_ps(bias + ob * kBlock)) : acc[r];
+      _mm256_storeu_ps(y + r * out + ob * kBlock, v);
+    }
+  }
+#else
+  for (int64_t ob = b0; ob < b1; ++ob) {
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int64_t o = ob * kBlock + k;
+      for (int64_t r = 0; r < rows; ++r) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* p = w + ((ob * groups + g) * kBlock + k) * 16;
+          const int64_t at = r * groups + g;
+          const int16_t* q = xq.q.data() + at * kGroup;
+          int32_t sum = 0;
+          for (int64_t j = 0; j < 16; ++j) {
+            sum += (p[j] & 0xF) * q[rounded_position(j)] + (p[j] >> 4) * q[rounded_position(j + 16)];
+          }
+          const float d = static_cast<float>(scales[2 * g * out + o]);
+          const float m = static_cast<float>(scales[(2 * g + 1) * out + o]);
+          acc = std::fma(static_cast<float>(sum), d * xq.dx[at], acc);
+          acc = std::fma(m, xq.sx[at], acc);
+        }
+        y[r * out + o] = bias != nullptr ? acc + bias[o] : acc;
+      }
+    }
+  }
+#endif
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && by_output.device().is_cpu() && scales.device().is_cpu(),
+              "int4_dense_linear: CPU tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.size(1) > 0,
+              "int4_dense_linear: x must be (rows, in) with in a multiple of 32, got ", x.sizes());
+  const int64_t in = x.size(1), groups = in / kGroup;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == 2 && scales.size(2) % kBlock == 0 &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "int4_dense_linear: scales must be a contiguous float16 (in / 32, 2, out) tensor with out a multiple "
+              "of 8, got ", scales.sizes(), " for in = ", in);
+  const int64_t out = scales.size(2);
+  TORCH_CHECK(by_output.scalar_type() == at::kByte && by_output.is_contiguous() && by_output.dim() == 4 &&
+                  by_output.size(0) == out / kBlock && by_output.size(1) == groups && by_output.size(2) == kBlock &&
+                  by_output.size(3) == 16,
+              "int4_dense_linear: by_output must be a contiguous uint8 (out / 8, in / 32, 8, 16) tensor "
+              "(quantize.pack_int4_by_output), got ", by_output.sizes(), " for in = ", in, ", out = ", out);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, "int4_dense_linear: bias must have length out");
+  }
+}
+
+}  // namespace
+
+at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& bias, int64_t threads) {
+  check_inputs(x, by_output, scales, bias);
+  keep_thread_count();
+  const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup, out = scales.size(2);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const RoundedRows xq = round_rows(xf.data_ptr<float>(), rows, in);
+  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({rows, out}, xf.options());
+  const uint8_t* w = by_output.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = out / kBlock;
+  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
+  auto body = [&](int64_t b0, int64_t b1) { blocks_into(xq, w, s, b, rows, groups, out, b0, b1, yp); };
+  if (num_threads == 1 || in * out < kMinWeightsPerThread * 2) {
+    body(0, blocks);
+  } else {
+    at::parallel_for(0, blocks, (blocks + num_threads - 1) / num_threads, body);
+  }
+  return y.to(x.scalar_type());
+}
+
+}  // namespace prunewatch
