@@ -161,8 +161,9 @@ class EngineSettings(BaseSettings):
             "sparsity fused arithmetic can move an activation across its threshold and flip a near-tie, so tokens may "
             "differ: the committed benchmark's pruned compiled run on SmolLM2-135M-Instruct agreed with eager on 22 "
             "of 32 tokens (agreement_with_eager 0.69, bench/results/speed-cpu.json); in bench/results/precision-cpu.json "
-            "the default plan's compiled run gave eager's tokens on a share of 1.00 of 63 with fp32 weights, 0.94 with "
-            "int8 and 0.30 with int4 (dense plans: 1.00 at every precision). Dense plans, plans with activation "
+            "the default plan's compiled run gave eager's tokens on a share of 0.77 of 63 with fp32 weights, 1.00 with "
+            "int8 and with int4 (dense plans: 1.00 at every precision; another run had 1.00, 0.94 and 0.30: how often "
+            "a near-tie flips depends on the host's arithmetic). Dense plans, plans with activation "
             "sparsity and plans with the output-head shortlist compile; bypass, head gating and the shared policy decode "
             "eagerly. Each graph compiles on its first step (about a minute for SmolLM2-135M on two cores; "
             "`prunewatch serve` warms them up before it listens). Needs a C++ compiler, as the sparse kernel does."),

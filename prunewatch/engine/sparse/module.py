@@ -15,7 +15,7 @@ the quantized rows and their scales (int4: the scales and minimums of every grou
 call); every call with few rows goes to it, the dense ones too (all channels read), so a decode step
 reads a quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. An int4 layer's
 dense calls with few rows go instead to a product that multiplies the weights as the integers they are, on inputs
-rounded to int16 per group of 32 (csrc/int4_dense.cpp, about 1.5x the speed of widening each weight to fp32),
+rounded to int16 per group of 32 (csrc/int4_dense.cpp, 1.8-2.7x the speed of widening each weight to fp32),
 reading a second copy of the int4 weights laid out by output; sparse calls keep reading the active rows. The
 wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is
 faster than converting quantized weights row by row) and for head-gated slices: every path multiplies by the same

@@ -8,11 +8,12 @@
 // by 16 inputs and adds them in pairs, and per group and output the exact integer sum is scaled by the weight's and
 // the input's scales, while the weight's minimum multiplies the group's exact fp32 input sum:
 //   y[o] = sum over g of d[g, o] * dx[g] * sum_i q[i, o] * xq[i] + m[g, o] * sum_i x[i].
-// Why int16 and not llama.cpp's int8 (one `maddubs` per 32 weights, ~1.3x faster again): a group's largest input
-// sets its step, and LLM activations have outlier channels, so at 8 bits the other inputs of an outlier's group
-// lose most of their precision; measured on SmolLM2-135M's 63 held-out prompts, int8 inputs took int4's agreement
-// with fp32 dense from 0.989 to 0.961, under the quality floor. At 16 bits a step is 1/65534 of the group's
-// largest input, far below the int4 weights' own rounding.
+// Why int16 and not llama.cpp's int8 (one `maddubs` per 32 weights instead of two `madd` per 16): a group's
+// largest input sets its step, and LLM activations have outlier channels, so at 8 bits the other inputs of an
+// outlier's group lose most of their precision. On SmolLM2-135M's 63 held-out prompts int4 dense agreed with fp32
+// dense on 0.989 of the tokens with int16 inputs (bench/results/precision-cpu.json) and 0.961 with int8 ones
+// (bench/results/precision-cpu-int4-int8-inputs.json), under the quality floor, for no measurable gain in a whole
+// decode step. At 16 bits a step is 1/65534 of the group's largest input, far below the weights' own rounding.
 //
 // The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g as
 // GGUF's Q4_1 packs them (byte j: input j in the low nibble, input j + 16 in the high one), so a thread streams one
