@@ -129,7 +129,7 @@ class SparseLinear(LinearWrapper):
             linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
         self.register_buffer("weight_t", weight_t, persistent=False)
         self.register_buffer("weight_scale", weight_scale, persistent=False)
-        # int4: the same weights laid out by output for the dense product on int8-quantized activations
+        # int4: the same weights laid out by output, for the dense product of few rows (csrc/int4_dense.cpp)
         int4 = self.weight_format == "int4"
         self.register_buffer("weight_by_output", pack_int4_by_output(weight_t) if int4 else None, persistent=False)
         self._int4_dense = int4_dense_kernel(weight.device) if int4 else None

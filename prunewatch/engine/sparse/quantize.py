@@ -93,7 +93,7 @@ def _int4_codes(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4_by_output(packed: torch.Tensor) -> torch.Tensor:
-    """The same int4 weights laid out by output for the dense decode product (csrc/int4_q8_linear.cpp):
+    """The same int4 weights laid out by output for the dense decode product (csrc/int4_dense.cpp):
     uint8 (out / 8, in / 32, 8, 16), where [ob, g, k] holds the 32 weights of output 8 * ob + k in group g as
     GGUF's Q4_1 packs a block (byte j: input j in the low nibble, input j + 16 in the high one). A block of 8
     outputs is one contiguous run per group, read in order."""
