@@ -19,7 +19,8 @@ rounded to int16 per group of 32 (csrc/int4_dense.cpp, 1.8-2.7x the speed of wid
 reading a second copy of the int4 weights laid out by output; sparse calls keep reading the active rows. The
 wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is
 faster than converting quantized weights row by row) and for head-gated slices: every path multiplies by the same
-weights, so the model is the quantized model throughout, at about 1.25x the bytes of its fp32 weights.
+weights, so the model is the quantized model throughout, at 1.25x (int8) or about 1.28x (int4)
+the bytes of its fp32 weights, as computed from the layouts.
 """
 
 from __future__ import annotations
