@@ -34,11 +34,12 @@ def _csrc(name: str) -> Path:
     return Path(str(files("prunewatch.engine.sparse").joinpath("csrc", name)))
 
 
-SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_dense.cpp", "ragged_attention.cpp"))
-"""The extension's sources, built together as one module: the sparse linear kernel, the dense decode product of
-int4 weights laid out by output (csrc/int4_dense.cpp), and the attention of a batched decode step
-(csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
-HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "thread_count.h"))
+SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_dense.cpp", "int8_dense.cpp",
+                                         "ragged_attention.cpp"))
+"""The extension's sources, built together as one module: the sparse linear kernel, the dense decode products of
+int4 and int8 weights laid out by output (csrc/int4_dense.cpp, csrc/int8_dense.cpp), and the attention of a batched
+decode step (csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
+HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "int8_dense.h", "rounded_inputs.h", "thread_count.h"))
 """Headers the sources include: part of the build's digest, so that changing one rebuilds the module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""
@@ -193,17 +194,30 @@ def counted_op() -> Callable[..., torch.Tensor]:
     return torch.ops.prunewatch.sparse_linear_counted
 
 
-Int4Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-"""(x, by_output, scales, bias, threads) -> y: the dense product of int4 weights laid out by output."""
+QuantizedDenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+"""(x, by_output, scales, bias, threads) -> y: the dense product of int4 or int8 weights laid out by output."""
 
 
-def int4_dense_kernel(device: torch.device | str) -> Int4Kernel:
+def int4_dense_kernel(device: torch.device | str) -> QuantizedDenseKernel:
     """The dense decode product of int4 weights laid out by output (quantize.pack_int4_by_output), multiplied as
     integers with each group of 32 inputs rounded to int16 (csrc/int4_dense.cpp). CPU only: raises
     SparseKernelUnavailableError for other devices or where the extension cannot be built."""
+    return _quantized_dense_kernel("int4", device).int4_dense_linear
+
+
+def int8_dense_kernel(device: torch.device | str) -> QuantizedDenseKernel:
+    """The dense decode product of int8 weights laid out by output (quantize.pack_int8_by_output), multiplied as
+    integers with each group of 32 inputs rounded to int16 (csrc/int8_dense.cpp). CPU only: raises
+    SparseKernelUnavailableError for other devices or where the extension cannot be built."""
+    return _quantized_dense_kernel("int8", device).int8_dense_linear
+
+
+def _quantized_dense_kernel(weights: str, device: torch.device | str) -> ModuleType:
+    """The built extension, where `weights` have a kernel on `device`."""
     if torch.device(device).type != "cpu":
-        raise SparseKernelUnavailableError(f"int4 weights have a CPU kernel only, not one for {torch.device(device).type}")
-    return build().int4_dense_linear
+        raise SparseKernelUnavailableError(f"{weights} weights have a CPU kernel only, not one for "
+                                           f"{torch.device(device).type}")
+    return build()
 
 
 def sparse_linear(

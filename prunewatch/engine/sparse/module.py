@@ -13,13 +13,13 @@ untouched and is counted as dense.
 With int8 or int4 weights (SparsityOptions.weights, prunewatch/engine/sparse/quantize.py) the kernel reads
 the quantized rows and their scales (int4: the scales and minimums of every group, counted in full per
 call); every call with few rows goes to it, the dense ones too (all channels read), so a decode step
-reads a quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. An int4 layer's
+reads a quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. A quantized layer's
 dense calls with few rows go instead to a product that multiplies the weights as the integers they are, on inputs
-rounded to int16 per group of 32 (csrc/int4_dense.cpp, 1.8-2.7x the speed of widening each weight to fp32),
-reading a second copy of the int4 weights laid out by output; sparse calls keep reading the active rows. The
-wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is
-faster than converting quantized weights row by row) and for head-gated slices: every path multiplies by the same
-weights, so the model is the quantized model throughout, at 1.25x (int8) or about 1.28x (int4)
+rounded to int16 per group of 32 (csrc/int4_dense.cpp, csrc/int8_dense.cpp: 1.5-3x the speed of widening each
+weight to fp32), reading a second copy of the quantized weights laid out by output; sparse calls keep reading the
+active rows. The wrapped layer keeps the dequantized weights in fp32 for calls with many rows (a prefill, where a
+BLAS product is faster than converting quantized weights row by row) and for head-gated slices: every path
+multiplies by the same weights, so the model is the quantized model throughout, at 1.5x (int8) or about 1.28x (int4)
 the bytes of its fp32 weights, as computed from the layouts.
 """
 
@@ -36,13 +36,20 @@ from prunewatch.engine.execution import (
     ExecutionPlan,
     current_execution,
 )
-from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel, int4_dense_kernel
+from prunewatch.engine.sparse.kernel import (
+    SparseKernelUnavailableError,
+    device_kernel,
+    int4_dense_kernel,
+    int8_dense_kernel,
+)
 from prunewatch.engine.sparse.quantize import (
     WeightFormat,
     dequantize_int4,
     dequantize_int8,
     int4_fits,
+    int8_by_output_fits,
     pack_int4_by_output,
+    pack_int8_by_output,
     quantize_int4,
     quantize_int8,
 )
@@ -130,10 +137,14 @@ class SparseLinear(LinearWrapper):
             linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
         self.register_buffer("weight_t", weight_t, persistent=False)
         self.register_buffer("weight_scale", weight_scale, persistent=False)
-        # int4: the same weights laid out by output, for the dense product of few rows (csrc/int4_dense.cpp)
-        int4 = self.weight_format == "int4"
-        self.register_buffer("weight_by_output", pack_int4_by_output(weight_t) if int4 else None, persistent=False)
-        self._int4_dense = int4_dense_kernel(weight.device) if int4 else None
+        # int4 and int8: the same weights laid out by output, for the dense product of few rows
+        # (csrc/int4_dense.cpp, csrc/int8_dense.cpp); an int8 layer whose sizes do not fit reads its rows instead
+        by_output, self._quantized_dense_kernel = None, None
+        if self.weight_format == "int4":
+            by_output, self._quantized_dense_kernel = pack_int4_by_output(weight_t), int4_dense_kernel(weight.device)
+        elif self.quantized and int8_by_output_fits(self.in_features, self.out_features):
+            by_output, self._quantized_dense_kernel = pack_int8_by_output(weight_t), int8_dense_kernel(weight.device)
+        self.register_buffer("weight_by_output", by_output, persistent=False)
         self.register_buffer("scale", scale.to(weight.device, torch.float32).contiguous(), persistent=False)
         self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
         self._kernel_is_cuda = weight.device.type == "cuda"  # a model moved after installing resolves per call
@@ -230,7 +241,8 @@ class SparseLinear(LinearWrapper):
         return F.linear(x, linear.weight, linear.bias)
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
-        """The dense product when the call has few rows: int4 laid out by output (csrc/int4_dense.cpp), else the kernel
+        """The dense product when the call has few rows: int4 or int8 laid out by output (csrc/int4_dense.cpp,
+        csrc/int8_dense.cpp), else the kernel
         reading every row (int8 / int4: the block counted the fp32 bytes, the call read the quantized rows and their
         scales; fp32 under a row-invariant plan: the same bytes); with many rows the wrapped layer on the
         dequantized weights (a prefill: compute-bound, where BLAS is faster)."""
@@ -239,9 +251,9 @@ class SparseLinear(LinearWrapper):
             return self._dense(x)
         buffers = self._buffers
         flat = x if x.dim() == 2 else x.reshape(rows, self.in_features)
-        if self._int4_dense is not None:
-            output = self._int4_dense(flat, buffers["weight_by_output"], buffers["weight_scale"], self._bias[0],
-                                      self.kernel_threads)
+        if self._quantized_dense_kernel is not None:
+            output = self._quantized_dense_kernel(flat, buffers["weight_by_output"], buffers["weight_scale"],
+                                                  self._bias[0], self.kernel_threads)
         else:
             kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
             output, _, _ = kernel(flat, buffers["weight_t"], self._bias[0], buffers["scale"], -1.0, -1,

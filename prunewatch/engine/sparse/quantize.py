@@ -22,7 +22,7 @@ import torch
 from prunewatch.engine.settings import WeightFormat
 
 __all__ = ["INT4_GROUP", "INT8_MAX", "WeightFormat", "dequantize_int4", "dequantize_int8", "int4_fits",
-           "pack_int4_by_output", "quantize_int4", "quantize_int8"]
+           "int8_by_output_fits", "pack_int4_by_output", "pack_int8_by_output", "quantize_int4", "quantize_int8"]
 
 INT8_MAX = 127  # symmetric: -127..127, so negating a weight never overflows
 INT4_GROUP = 32  # input channels per int4 scale and minimum (GGUF's Q4_0 / Q4_1 block size)
@@ -48,6 +48,37 @@ def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 (in, out) weights q * scale stands for: what the int8 kernel multiplies by."""
     return q.float() * scale
+
+
+INT8_OUTPUT_BLOCK = 8  # outputs whose weights the dense int8 product reads together
+
+
+def int8_by_output_fits(in_features: int, out_features: int) -> bool:
+    """Whether an int8 layer's dense decode product can read its weights laid out by output
+    (pack_int8_by_output): whole groups of 32 inputs and outputs in blocks of 8. Other layers read the sparse
+    kernel's rows."""
+    return (in_features % INT4_GROUP == 0 and out_features % INT8_OUTPUT_BLOCK == 0 and in_features > 0
+            and out_features > 0)
+
+
+def _rounded_order() -> torch.Tensor:
+    """The input order of the integer dense products' rounded inputs in a group of 32 (csrc/rounded_inputs.h):
+    inputs 0-7, 16-23, 8-15, 24-31."""
+    return torch.tensor([(0 if j % 16 < 8 else 16) + (0 if j < 16 else 8) + j % 8 for j in range(INT4_GROUP)])
+
+
+def pack_int8_by_output(q: torch.Tensor) -> torch.Tensor:
+    """The same int8 weights laid out by output for the dense decode product (csrc/int8_dense.cpp):
+    int8 (out / 8, in / 32, 8, 32), where [ob, g, k] holds the 32 weights of output 8 * ob + k in group g, in
+    the order the product rounds the inputs (_rounded_order). A block of 8 outputs is one contiguous run per
+    group, read in order."""
+    if q.dim() != 2 or q.dtype != torch.int8 or not int8_by_output_fits(*q.shape):
+        raise ValueError(f"q must be quantize_int8's int8 (in, out) weights with in a multiple of {INT4_GROUP} and "
+                         f"out of {INT8_OUTPUT_BLOCK}, got {tuple(q.shape)} {q.dtype}")
+    rows, out = q.shape
+    grouped = q.t().reshape(out, rows // INT4_GROUP, INT4_GROUP)[:, :, _rounded_order()]  # (out, groups, 32)
+    return grouped.reshape(out // INT8_OUTPUT_BLOCK, INT8_OUTPUT_BLOCK, rows // INT4_GROUP, INT4_GROUP).permute(
+        0, 2, 1, 3).contiguous()
 
 
 def int4_fits(in_features: int, out_features: int) -> bool:

@@ -8,12 +8,7 @@
 // by 16 inputs and adds them in pairs, and per group and output the exact integer sum is scaled by the weight's and
 // the input's scales, while the weight's minimum multiplies the group's exact fp32 input sum:
 //   y[o] = sum over g of d[g, o] * dx[g] * sum_i q[i, o] * xq[i] + m[g, o] * sum_i x[i].
-// Why int16 and not llama.cpp's int8 (one `maddubs` per 32 weights instead of two `madd` per 16): a group's
-// largest input sets its step, and LLM activations have outlier channels, so at 8 bits the other inputs of an
-// outlier's group lose most of their precision. On SmolLM2-135M's 63 held-out prompts int4 dense agreed with fp32
-// dense on 0.989 of the tokens with int16 inputs (bench/results/precision-cpu.json) and 0.961 with int8 ones
-// (bench/results/precision-cpu-int4-int8-inputs.json), under the quality floor, for no measurable gain in a whole
-// decode step. At 16 bits a step is 1/65534 of the group's largest input, far below the weights' own rounding.
+// Why int16 inputs: rounded_inputs.h.
 //
 // The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g as
 // GGUF's Q4_1 packs them (byte j: input j in the low nibble, input j + 16 in the high one), so a thread streams one
@@ -37,55 +32,16 @@
 #include <immintrin.h>
 #endif
 
+#include "rounded_inputs.h"
 #include "thread_count.h"
 
 namespace prunewatch {
 namespace {
 
-constexpr int64_t kGroup = 32;  // inputs per input scale and per weight scale (the int4 group)
+using rounded_inputs::kGroup;  // inputs per input scale and per weight scale (the int4 group)
+using rounded_inputs::RoundedRows;
 constexpr int64_t kBlock = 8;  // outputs whose sums are reduced together
-constexpr float kLevels = 32767.0f;  // int16 inputs: -32767..32767
 constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
-
-// One row's group of 32 inputs rounded: q gets them in the order the vectors pair them with the weights (inputs
-// 0-7, 16-23, then 8-15, 24-31: a 128-bit lane each), dx the scale, sx the exact sum.
-void round_group(const float* v, int16_t* q, float* dx, float* sx) {
-  float amax = 0.0f, sum = 0.0f;
-  for (int64_t j = 0; j < kGroup; ++j) {
-    amax = std::max(amax, std::fabs(v[j]));
-    sum += v[j];
-  }
-  const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
-  for (int64_t j = 0; j < 8; ++j) {
-    q[j] = static_cast<int16_t>(std::nearbyint(v[j] * inv));
-    q[8 + j] = static_cast<int16_t>(std::nearbyint(v[16 + j] * inv));
-    q[16 + j] = static_cast<int16_t>(std::nearbyint(v[8 + j] * inv));
-    q[24 + j] = static_cast<int16_t>(std::nearbyint(v[24 + j] * inv));
-  }
-  *dx = amax / kLevels;
-  *sx = sum;
-}
-
-struct RoundedRows {
-  std::vector<int16_t> q;  // (rows, groups, 32)
-  std::vector<float> dx, sx;  // (rows, groups)
-};
-
-RoundedRows round_rows(const float* x, int64_t rows, int64_t in) {
-  const int64_t groups = in / kGroup;
-  RoundedRows out{std::vector<int16_t>(rows * groups * kGroup), std::vector<float>(rows * groups),
-                  std::vector<float>(rows * groups)};
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = r * groups + g;
-      round_group(x + r * in + g * kGroup, out.q.data() + at * kGroup, &out.dx[at], &out.sx[at]);
-    }
-  }
-  return out;
-}
-
-// Input j of the rounded order (see round_group).
-inline int64_t rounded_position(int64_t j) { return (j % 16 < 8 ? 0 : 16) + (j < 16 ? 0 : 8) + j % 8; }
 
 // Outputs [8 * b0, 8 * b1) of every row.
 void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales, const float* bias, int64_t rows,
@@ -143,7 +99,7 @@ void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales
           const int16_t* q = xq.q.data() + at * kGroup;
           int32_t sum = 0;
           for (int64_t j = 0; j < 16; ++j) {
-            sum += (p[j] & 0xF) * q[rounded_position(j)] + (p[j] >> 4) * q[rounded_position(j + 16)];
+            sum += (p[j] & 0xF) * q[rounded_inputs::position(j)] + (p[j] >> 4) * q[rounded_inputs::position(j + 16)];
           }
           const float d = static_cast<float>(scales[2 * g * out + o]);
           const float m = static_cast<float>(scales[(2 * g + 1) * out + o]);
@@ -187,7 +143,7 @@ at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& by_output, c
   keep_thread_count();
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup, out = scales.size(2);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const RoundedRows xq = round_rows(xf.data_ptr<float>(), rows, in);
+  const RoundedRows xq = rounded_inputs::round_rows(xf.data_ptr<float>(), rows, in);
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({rows, out}, xf.options());

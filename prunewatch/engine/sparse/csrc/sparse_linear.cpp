@@ -31,7 +31,8 @@
 // m[g, o] * sum_i x_i: the inner sums run on small integers converted to fp32 in registers, and the
 // scales are applied once per group and output.
 //
-// A dense call of an int4 layer with few rows goes instead to int4_dense.cpp, on the weights laid out by output.
+// A dense call of an int4 or int8 layer with few rows goes instead to int4_dense.cpp or int8_dense.cpp, on the
+// weights laid out by output.
 
 #include <torch/extension.h>
 
@@ -46,6 +47,7 @@
 #include <vector>
 
 #include "int4_dense.h"
+#include "int8_dense.h"
 #include "thread_count.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -683,10 +685,13 @@ at::Tensor sparse_linear_counted(const at::Tensor& x, const at::Tensor& wt, cons
     return bias.has_value() ? at::addmm(*bias, x, wt) : at::mm(x, wt);
   }
   if (limit < 0.0 && top_k < 0 && by_output.has_value()) {
-    // An int4 layer's dense product, as the eager layer computes it (int4_dense.cpp): every row of wt counted.
-    TORCH_CHECK(weight_scale.has_value() && wt.scalar_type() == at::kByte,
-                "sparse_linear_counted: by_output goes with int4 weights and their scales");
-    at::Tensor y = prunewatch::int4_dense_linear(x, *by_output, *weight_scale, bias, threads);
+    // An int4 or int8 layer's dense product, as the eager layer computes it (int4_dense.cpp, int8_dense.cpp):
+    // every row of wt counted.
+    TORCH_CHECK(weight_scale.has_value() && (wt.scalar_type() == at::kByte || wt.scalar_type() == at::kChar),
+                "sparse_linear_counted: by_output goes with int4 or int8 weights and their scales");
+    at::Tensor y = wt.scalar_type() == at::kByte
+                       ? prunewatch::int4_dense_linear(x, *by_output, *weight_scale, bias, threads)
+                       : prunewatch::int8_dense_linear(x, *by_output, *weight_scale, bias, threads);
     int64_t* counts = stats.data_ptr<int64_t>() + 3 * slot;
     counts[0] += wt.size(0);
     counts[1] += x.size(0) * wt.size(0);
@@ -721,5 +726,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dense_linear", &prunewatch::int4_dense_linear,
         "y = x @ int4 weights (laid out by output) + bias, x rounded to int16 per group of 32 inputs",
         pybind11::arg("x"), pybind11::arg("by_output"), pybind11::arg("scales"), pybind11::arg("bias"),
+        pybind11::arg("threads"));
+  m.def("int8_dense_linear", &prunewatch::int8_dense_linear,
+        "y = x @ int8 weights (laid out by output) + bias, x rounded to int16 per group of 32 inputs",
+        pybind11::arg("x"), pybind11::arg("by_output"), pybind11::arg("weight_scale"), pybind11::arg("bias"),
         pybind11::arg("threads"));
 }

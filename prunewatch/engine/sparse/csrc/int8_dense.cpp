@@ -1,0 +1,157 @@
+// The dense decode product of int8 weights, multiplied as integers on inputs rounded to int16.
+//
+// The sparse kernel (sparse_linear.cpp) widens each int8 weight to fp32 before its multiply-add: three
+// instructions per 8 weights, which bind a one-token step on two cores well before the bytes do. A dense call
+// needs no row selection, so here the weights are laid out by output and multiplied as the small integers they
+// are: each group of 32 inputs of a row is rounded to int16 with a scale of its own (rounded_inputs.h says why 16
+// bits), `madd` multiplies 16 weights by 16 inputs and adds them in pairs, and per group and output the integer
+// sum is scaled by the input's scale; the output's own scale multiplies the finished sum:
+//   y[o] = s[o] * sum over g of dx[g] * sum_i q[i, o] * xq[i].
+// A group's integer sum is at most 32 x 127 x 32767 < 2^27 in magnitude: exact in int32, and rounded to fp32's 24
+// bits only when it exceeds 2^24.
+//
+// The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g in
+// the rounded order (inputs 0-7, 16-23, 8-15, 24-31), so one 32-byte load widens into the two vectors that pair
+// with the rounded inputs, and a thread streams one contiguous run of bytes per block of 8 outputs.
+//
+// Each output's value depends on its row's inputs only (no sum across rows or threads, one fixed order of groups),
+// so a row gets the same bits in a batch of any size and under any thread count, as batched decoding needs. A CPU
+// without AVX2 takes a scalar path with the same arithmetic.
+
+#include "int8_dense.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "rounded_inputs.h"
+#include "thread_count.h"
+
+namespace prunewatch {
+namespace {
+
+using rounded_inputs::kGroup;
+using rounded_inputs::RoundedRows;
+constexpr int64_t kBlock = 8;  // outputs whose sums are reduced together
+constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
+
+// Outputs [8 * b0, 8 * b1) of every row.
+void blocks_into(const RoundedRows& xq, const int8_t* w, const float* ws, const float* bias, int64_t rows,
+                 int64_t groups, int64_t out, int64_t b0, int64_t b1, float* y) {
+#if defined(__AVX2__)
+  std::vector<__m256> acc(rows);
+  for (int64_t ob = b0; ob < b1; ++ob) {
+    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+    const int8_t* p = w + ob * groups * kBlock * kGroup;
+    for (int64_t g = 0; g < groups; ++g, p += kBlock * kGroup) {
+      __m256i wl[kBlock], wh[kBlock];  // per output, 16-bit weights: rounded positions 0-15 (wl) and 16-31 (wh)
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kGroup * k));
+        wl[k] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        wh[k] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = r * groups + g;
+        const int16_t* q = xq.q.data() + at * kGroup;
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
+        __m256i s[kBlock];  // eight partial sums of each output
+        for (int64_t k = 0; k < kBlock; ++k) {
+          s[k] = _mm256_add_epi32(_mm256_madd_epi16(wl[k], xl), _mm256_madd_epi16(wh[k], xh));
+        }
+        // Across lanes: a = outputs 0-3 (each lane's half), b = outputs 4-7; the halves added give outputs 0-7.
+        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+        const __m256i sums =
+            _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(xq.dx[at]), acc[r]);
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(ws + ob * kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 v = _mm256_mul_ps(acc[r], scale);
+      _mm256_storeu_ps(y + r * out + ob * kBlock,
+                       bias != nullptr ? _mm256_add_ps(v, _mm256_loadu_ps(bias + ob * kBlock)) : v);
+    }
+  }
+#else
+  for (int64_t ob = b0; ob < b1; ++ob) {
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int64_t o = ob * kBlock + k;
+      for (int64_t r = 0; r < rows; ++r) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int8_t* p = w + ((ob * groups + g) * kBlock + k) * kGroup;
+          const int64_t at = r * groups + g;
+          const int16_t* q = xq.q.data() + at * kGroup;
+          int32_t sum = 0;
+          for (int64_t j = 0; j < kGroup; ++j) {
+            sum += static_cast<int32_t>(p[j]) * q[j];
+          }
+          acc = std::fma(static_cast<float>(sum), xq.dx[at], acc);
+        }
+        const float v = acc * ws[o];
+        y[r * out + o] = bias != nullptr ? v + bias[o] : v;
+      }
+    }
+  }
+#endif
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& weight_scale,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && by_output.device().is_cpu() && weight_scale.device().is_cpu(),
+              "int8_dense_linear: CPU tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.size(1) > 0,
+              "int8_dense_linear: x must be (rows, in) with in a multiple of 32, got ", x.sizes());
+  const int64_t in = x.size(1), groups = in / kGroup;
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) % kBlock == 0 && weight_scale.size(0) > 0 &&
+                  weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous(),
+              "int8_dense_linear: weight_scale must be a contiguous float32 (out,) tensor with out a multiple of 8, "
+              "got ", weight_scale.sizes(), " ", weight_scale.scalar_type());
+  const int64_t out = weight_scale.size(0);
+  TORCH_CHECK(by_output.scalar_type() == at::kChar && by_output.is_contiguous() && by_output.dim() == 4 &&
+                  by_output.size(0) == out / kBlock && by_output.size(1) == groups && by_output.size(2) == kBlock &&
+                  by_output.size(3) == kGroup,
+              "int8_dense_linear: by_output must be a contiguous int8 (out / 8, in / 32, 8, 32) tensor "
+              "(quantize.pack_int8_by_output), got ", by_output.sizes(), " for in = ", in, ", out = ", out);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, "int8_dense_linear: bias must have length out");
+  }
+}
+
+}  // namespace
+
+at::Tensor int8_dense_linear(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& weight_scale,
+                             const c10::optional<at::Tensor>& bias, int64_t threads) {
+  check_inputs(x, by_output, weight_scale, bias);
+  keep_thread_count();
+  const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup, out = weight_scale.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const RoundedRows xq = rounded_inputs::round_rows(xf.data_ptr<float>(), rows, in);
+  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({rows, out}, xf.options());
+  const int8_t* w = by_output.data_ptr<int8_t>();
+  const float* ws = weight_scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = out / kBlock;
+  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
+  auto body = [&](int64_t b0, int64_t b1) { blocks_into(xq, w, ws, b, rows, groups, out, b0, b1, yp); };
+  if (num_threads == 1 || in * out < kMinWeightsPerThread * 2) {
+    body(0, blocks);
+  } else {
+    at::parallel_for(0, blocks, (blocks + num_threads - 1) / num_threads, body);
+  }
+  return y.to(x.scalar_type());
+}
+
+}  // namespace prunewatch
