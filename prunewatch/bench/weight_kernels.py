@@ -19,19 +19,31 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.engine.model_store import DEFAULT_MODEL, models_root
 
-KERNELS = ("fp32 F.linear", "torch int8pack", "torch int4pack", "engine int8", "engine int4", "engine int4 dense")
-ROUNDED_INPUTS = ("engine int4 dense",)
+KERNELS = ("fp32 F.linear", "torch int8pack", "torch int4pack", "engine int8", "engine int4", "engine int8 dense",
+           "engine int4 dense")
+SPARSE_LEVELS = (0.5, 0.7, 0.85)
+"""Input sparsities at which the sparse kernel is timed on quantized weights, to find where it overtakes the dense
+integer product."""
+SPARSE_KERNELS = tuple(f"engine {fmt} sparse {level:.2f}" for fmt in ("int8", "int4") for level in SPARSE_LEVELS)
+TIMED = KERNELS + SPARSE_KERNELS
+ROUNDED_INPUTS = ("engine int8 dense", "engine int4 dense")
 """Products whose inputs are rounded to int16 per group of 32: their error against fp32 is that rounding's."""
 METHOD = {
     "us": "measured: microseconds per product of one token row, median over repetitions in rotating order",
     "vs_fp32": "measured: the fp32 product's median time over this kernel's (above 1: faster than fp32)",
     "max_abs_error": "measured: largest difference from the fp32 product of the dequantized weights, one input "
-                     "(engine int4 dense: its inputs rounded to int16 per group of 32)",
+                     "(engine int8 dense and int4 dense: their inputs rounded to int16 per group of 32)",
+    "sparse": "measured: the sparse kernel on the quantized weights with the input's smallest entries zeroed to "
+              "each sparsity (us and vs_fp32 as above; error against the fp32 product of the same masked input)",
+    "break_even": "computed from the medians: the input sparsity at which the sparse kernel's time falls to the "
+                  "dense integer product's, linear between the timed sparsities (0: the whole row kernel); None: not "
+                  "reached by 0.85",
 }
 
 
@@ -49,11 +61,12 @@ def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], 
     import torch
     import torch.nn.functional as F
 
-    from prunewatch.engine.sparse.kernel import int4_dense_kernel, sparse_linear
+    from prunewatch.engine.sparse.kernel import int4_dense_kernel, int8_dense_kernel, sparse_linear
     from prunewatch.engine.sparse.quantize import (
         dequantize_int4,
         dequantize_int8,
         pack_int4_by_output,
+        pack_int8_by_output,
         quantize_int4,
         quantize_int8,
     )
@@ -65,6 +78,7 @@ def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], 
     q8, s8 = quantize_int8(weight.t().contiguous())
     q4, s4 = quantize_int4(weight.t().contiguous())
     q4_by_output, int4_dense = pack_int4_by_output(q4), int4_dense_kernel("cpu")
+    q8_by_output, int8_dense = pack_int8_by_output(q8), int8_dense_kernel("cpu")
     q8_rows = q8.t().contiguous()  # torch's int8 kernel takes (out, in)
     # torch's int4 layout: (out, in) values 0..15 with w = (q - 8) * scale + zero per group; the same Q4_1 blocks
     deq4 = dequantize_int4(q4, s4)
@@ -79,13 +93,42 @@ def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], 
         "torch int4pack": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_int4, 32, scales_zeros),
         "engine int8": lambda: sparse_linear(x, q8, None, ones, -1.0, weight_scale=s8).output,
         "engine int4": lambda: sparse_linear(x, q4, None, ones, -1.0, weight_scale=s4).output,
+        "engine int8 dense": lambda: int8_dense(x, q8_by_output, s8, None, 0),
         "engine int4 dense": lambda: int4_dense(x, q4_by_output, s4, None, 0),
     }
     references = {"fp32 F.linear": x @ weight.t(), "torch int8pack": x @ dequantize_int8(q8, s8),
                   "engine int8": x @ dequantize_int8(q8, s8), "torch int4pack": x @ deq4, "engine int4": x @ deq4,
-                  "engine int4 dense": x @ deq4}
-    errors = {name: float((products[name]() - references[name]).abs().max()) for name in KERNELS}
+                  "engine int8 dense": x @ dequantize_int8(q8, s8), "engine int4 dense": x @ deq4}
+    quantized = {"int8": (q8, s8, dequantize_int8(q8, s8)), "int4": (q4, s4, deq4)}
+    for fmt in ("int8", "int4"):
+        for level in SPARSE_LEVELS:
+            threshold = float(x.abs().quantile(level))
+            name = f"engine {fmt} sparse {level:.2f}"
+            wt, scales, deq = quantized[fmt]
+            products[name] = partial(_sparse_product, x, wt, ones, threshold, scales)
+            references[name] = torch.where(x.abs() > threshold, x, 0.0) @ deq
+    errors = {name: float((products[name]() - references[name]).abs().max()) for name in TIMED}
     return products, errors
+
+
+def _sparse_product(x, wt, ones, threshold: float, scales) -> object:
+    from prunewatch.engine.sparse.kernel import sparse_linear
+
+    return sparse_linear(x, wt, None, ones, threshold, weight_scale=scales).output
+
+
+def break_even(medians: dict[str, float], fmt: str) -> float | None:
+    """The input sparsity at which the sparse kernel on `fmt` weights takes the dense integer product's time,
+    linear between the timed sparsities; None where it is still slower at the sparsest."""
+    dense = medians[f"engine {fmt} dense"]
+    points = [(0.0, medians[f"engine {fmt}"])] + [(level, medians[f"engine {fmt} sparse {level:.2f}"])
+                                                  for level in SPARSE_LEVELS]
+    if points[0][1] <= dense:
+        return 0.0
+    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        if t1 <= dense:
+            return round(s0 + (s1 - s0) * (t0 - dense) / (t0 - t1), 3)
+    return None
 
 
 def run(model_dir: Path, reps: int, threads: int | None, out: Path) -> dict:
@@ -96,12 +139,12 @@ def run(model_dir: Path, reps: int, threads: int | None, out: Path) -> dict:
     rows = []
     for n_in, n_out in layer_shapes(model_dir):
         products, errors = _products(n_in, n_out, seed=n_in * 31 + n_out)
-        times: dict[str, list[float]] = {name: [] for name in KERNELS}
+        times: dict[str, list[float]] = {name: [] for name in TIMED}
         for product in products.values():  # warm-up
             for _ in range(10):
                 product()
         for r in range(reps):
-            for name in KERNELS[r % len(KERNELS):] + KERNELS[:r % len(KERNELS)]:
+            for name in TIMED[r % len(TIMED):] + TIMED[:r % len(TIMED)]:
                 started = time.perf_counter()
                 for _ in range(20):
                     products[name]()
@@ -109,7 +152,8 @@ def run(model_dir: Path, reps: int, threads: int | None, out: Path) -> dict:
         medians = {name: statistics.median(values) for name, values in times.items()}
         rows.append({"in": n_in, "out": n_out, "kernels": {
             name: {"us": round(medians[name], 2), "vs_fp32": round(medians["fp32 F.linear"] / medians[name], 3),
-                   "max_abs_error": errors[name]} for name in KERNELS}})
+                   "max_abs_error": errors[name]} for name in TIMED},
+                     "break_even": {fmt: break_even(medians, fmt) for fmt in ("int8", "int4")}})
     result = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": invocation("kernels"),
               "machine": machine_info("cpu"), "model": model_dir.name, "reps": reps, "method": METHOD, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +166,13 @@ def format_table(result: dict) -> str:
     for row in result["rows"]:
         cells = "".join(f"{row['kernels'][n]['us']:>10.1f} ({row['kernels'][n]['vs_fp32']:.2f}x)" for n in KERNELS)
         lines.append(f"{row['in']}x{row['out']:<8}" + cells)
+    lines.append(f"{'in x out':<12}" + "".join(f"{name.removeprefix('engine '):>18}" for name in SPARSE_KERNELS)
+                 + "   break-even sparsity (int8, int4)")
+    for row in result["rows"]:
+        cells = "".join(f"{row['kernels'][n]['us']:>10.1f} ({row['kernels'][n]['vs_fp32']:.2f}x)"
+                        for n in SPARSE_KERNELS)
+        even = row["break_even"]
+        lines.append(f"{row['in']}x{row['out']:<8}" + cells + f"   {even['int8']}, {even['int4']}")
     return "\n".join(lines)
 
 

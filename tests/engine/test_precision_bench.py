@@ -98,10 +98,20 @@ def test_weight_kernel_bench_times_every_kernel_on_every_layer_shape(probe_model
     assert result["command"].startswith("prunewatch bench kernels")
     assert {(r["in"], r["out"]) for r in result["rows"]} == {(192, 192), (192, 64), (192, 512), (512, 192)}
     for row in result["rows"]:
-        assert set(row["kernels"]) == set(weight_kernels.KERNELS)
+        assert set(row["kernels"]) == set(weight_kernels.TIMED)
+        assert set(row["break_even"]) == {"int8", "int4"}
         assert row["kernels"]["fp32 F.linear"]["vs_fp32"] == 1.0
         # every product computes what its weights stand for (timings are reported, never asserted); the dense int4
         # product rounds its inputs to int16 per group of 32, which moves an output of these layers by ~1e-5
         for name, kernel in row["kernels"].items():
             limit = 1e-3 if name in weight_kernels.ROUNDED_INPUTS else 1e-4
             assert kernel["us"] > 0 and kernel["max_abs_error"] < limit
+
+
+def test_the_break_even_sparsity_is_where_the_sparse_kernel_meets_the_dense_product():
+    medians = {"engine int8 dense": 10.0, "engine int8": 30.0, "engine int8 sparse 0.50": 20.0,
+               "engine int8 sparse 0.70": 8.0, "engine int8 sparse 0.85": 6.0}
+    assert weight_kernels.break_even(medians, "int8") == pytest.approx(0.5 + 0.2 * 10 / 12, abs=1e-3)
+    assert weight_kernels.break_even({**medians, "engine int8 sparse 0.85": 11.0, "engine int8 sparse 0.70": 12.0},
+                                     "int8") is None
+    assert weight_kernels.break_even({**medians, "engine int8": 9.0}, "int8") == 0.0
