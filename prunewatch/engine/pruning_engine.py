@@ -250,7 +250,8 @@ class PruningEngine:
             return
         sparsity_calibration = load_or_calibrate_sparsity(self, texts_by_domain, corpus_digest)  # per settings
         self._sparsity = install_sparsity(self.instrumented, sparsity_calibration,
-                                          SparsityOptions(weights=self.settings.weights),
+                                          SparsityOptions(weights=self.settings.weights,
+                                                          quantized_sparse_from=self.settings.quantized_sparse_from),
                                           model_fingerprint=self.loaded.fingerprint)
 
     # -- requests ----------------------------------------------------------------------------

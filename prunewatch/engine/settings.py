@@ -24,6 +24,13 @@ decode ratio 0.076, kept 0.977 [0.971, 0.982] where TEAL's uniform thresholds ke
 0.078. With the output-head shortlist (DEFAULT_OUTPUT_HEAD_SPARSITY) the engine default measured decode ratio
 0.187 at 0.977 [0.971, 0.982]."""
 
+QUANTIZED_SPARSE_FROM = 0.6
+"""The layer sparsity from which int8 and int4 layers read only their active rows. On SmolLM2-135M's four layer
+shapes, one token, two threads (bench/results/weight-kernels-cpu.json, break_even), the sparse kernel caught up with
+the dense integer product at 0.43-0.79 (int8) and 0.52-0.80 or beyond 0.85 (int4) sparsity; weighted by the
+layers' multiply-adds, 0.52 (int8) and about 0.64 (int4). Near the break-even a skipped row saves no time and still
+costs quality, so the default sits at their middle."""
+
 DEFAULT_OUTPUT_HEAD_SPARSITY = 0.6
 """Output-head input sparsity (prunewatch/engine/sparse/output_head.py) with a 1024-logit exact shortlist: on
 SmolLM2-135M-Instruct, alone, it kept reference-scored agreement 1.000 [1.000, 1.000] on the 63 evaluation
@@ -179,6 +186,17 @@ class EngineSettings(BaseSettings):
             "int4 layer's dense decode products round their inputs to int16 per group of 32 and multiply as "
             "integers. "
             "The quality of each against fp32 dense is measured by `prunewatch bench precision`."),
+    )
+    quantized_sparse_from: float = Field(
+        QUANTIZED_SPARSE_FROM, ge=0.0, le=1.0,
+        description=(
+            "With int8 or int4 weights, the sparsity a layer's share of a request's target must reach before the "
+            "layer reads only its active rows; below it the layer multiplies dense (its integer product of the "
+            "weights laid out by output) and counts as dense work, so the pruning ratio reports what was really "
+            "skipped. The sparse kernel widens each weight it reads to fp32, the dense product multiplies them as "
+            "integers, so skipping rows only saves time once most are skipped: `prunewatch bench kernels` measures "
+            "where the two meet per layer shape (break_even in bench/results/weight-kernels-cpu.json). "
+            "1 keeps quantized layers dense; 0 prunes them at any target. fp32 weights prune at any target."),
     )
     threads: int | None = Field(
         None, ge=1, le=1024,

@@ -130,7 +130,8 @@ PROMPT = SPEED_PROMPT
 @pytest.fixture(scope="module")
 def engines(probe_model_dir, calibration_dir):
     return (load_probe_engine(probe_model_dir, calibration_dir),
-            load_probe_engine(probe_model_dir, calibration_dir, weights="int4", compile_decode=True))
+            load_probe_engine(probe_model_dir, calibration_dir, weights="int4", compile_decode=True,
+                              quantized_sparse_from=0.0))  # the layers prune at any sparsity: the sparse graphs run
 
 
 def test_int4_engine_holds_int4_projections_and_an_int8_head(engines):

@@ -123,7 +123,8 @@ def test_int8_dense_step_reads_the_int8_rows_and_scales_in_place_of_fp32(engines
 
 
 def test_int8_engine_generates_and_its_default_plan_prunes(probe_model_dir, calibration_dir):
-    engine = load_probe_engine(probe_model_dir, calibration_dir, weights="int8")
+    # quantized_sparse_from=0: its layers read their active rows at any sparsity (the kernel's int8 path)
+    engine = load_probe_engine(probe_model_dir, calibration_dir, weights="int8", quantized_sparse_from=0.0)
     result = engine.generate(PROMPT, max_new_tokens=6, quality="on")
     assert result.text
     assert result.stats.decode_pruning_ratio > 0.0
@@ -132,7 +133,8 @@ def test_int8_engine_generates_and_its_default_plan_prunes(probe_model_dir, cali
 
 @pytest.fixture(scope="module")
 def compiled_int8(probe_model_dir, calibration_dir):
-    return load_probe_engine(probe_model_dir, calibration_dir, weights="int8", compile_decode=True)
+    return load_probe_engine(probe_model_dir, calibration_dir, weights="int8", compile_decode=True,
+                             quantized_sparse_from=0.0)  # the layers prune at any sparsity: the sparse graphs run
 
 
 def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(compiled_int8):

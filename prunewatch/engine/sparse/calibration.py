@@ -67,6 +67,14 @@ class SparsityCalibration:
         allocated = self.allocation.sparsity[key]
         return LayerThresholds(tuple(self.allocation.levels), tuple(curve.at(s) for s in allocated))
 
+    def layer_sparsity(self, key: str) -> LayerThresholds:
+        """One layer's own sparsity over the request's target: the allocation's choice for it, or the target
+        itself (uniform). Raises CalibrationMismatchError when the layer is unknown."""
+        self.layer(key)
+        if self.allocation is None:
+            return LayerThresholds((0.0, 1.0), (0.0, 1.0))
+        return LayerThresholds(tuple(self.allocation.levels), tuple(self.allocation.sparsity[key]))
+
     def threshold(self, key: str, target: float) -> float:
         """Score threshold of one layer for a target sparsity, interpolated on the grid."""
         return self.layer(key).at(target)

@@ -77,7 +77,8 @@ def install_sparsity(
     layers: dict[str, SparseLinear] = {}
     for key, (layer, linear) in targets.items():
         name = key.split(":", 1)[1]
-        wrapper = SparseLinear(linear, layer, name, curves[key], score_scale(linear, calibration.score), options)
+        wrapper = SparseLinear(linear, layer, name, curves[key], score_scale(linear, calibration.score), options,
+                               sparsity=calibration.layer_sparsity(key))
         _replace(instrumented, layer, linear, wrapper)
         layers[key] = wrapper
     return SparsityInstallation(instrumented=instrumented, layers=layers, calibration=calibration, options=options)

@@ -86,6 +86,13 @@ class SparsityOptions(BaseModel):
             "How the kernel holds the weights: fp32, int8 with one scale per output channel (a quarter of "
             "the bytes a decode step reads; CPU only), or int4 in groups of 32 input channels (an eighth, plus "
             "fp16 scales and minimums; layers whose sizes are not multiples of 32 stay int8)."))
+    quantized_sparse_from: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description=(
+            "With int8 or int4 weights, the sparsity a layer must be asked for before it reads the active rows; "
+            "below it the layer takes the dense integer product of its weights laid out by output, which on a CPU "
+            "is faster than the sparse kernel until most rows are skipped (prunewatch.engine.settings."
+            "EngineSettings.quantized_sparse_from gives the measured default). 1 never prunes quantized layers."))
 
 
 class SparseLinear(LinearWrapper):
@@ -99,6 +106,7 @@ class SparseLinear(LinearWrapper):
         thresholds: LayerThresholds,
         scale: torch.Tensor,
         options: SparsityOptions,
+        sparsity: LayerThresholds | None = None,
     ) -> None:
         super().__init__()
         self.linear = linear
@@ -106,6 +114,8 @@ class SparseLinear(LinearWrapper):
         self.name = name  # path inside the block, e.g. "mlp.down_proj"
         self.family = projection_family(name)  # attn_in / attn_out / mlp_in / mlp_out: the plan scales by it
         self.thresholds = thresholds
+        # the layer's own sparsity at a request's target (its allocation; None: the target itself)
+        self.sparsity = sparsity if sparsity is not None else LayerThresholds((0.0, 1.0), (0.0, 1.0))
         self.in_features, self.out_features = in_out(linear)
         self.max_kernel_rows = options.max_kernel_rows
         self.kernel_threads = options.kernel_threads
@@ -119,6 +129,7 @@ class SparseLinear(LinearWrapper):
             weight_t = weight.t().contiguous()  # (in, out): one contiguous row per input channel
         weight_scale = None
         self.quantized = options.weights != "fp32"
+        self.sparse_from = options.quantized_sparse_from if self.quantized else 0.0
         # int4 where the sizes allow it (multiples of 32), else int8
         self.weight_format: WeightFormat = options.weights if options.weights != "int4" or int4_fits(
             self.in_features, self.out_features) else "int8"
@@ -180,8 +191,13 @@ class SparseLinear(LinearWrapper):
         return f"layer={self.layer}, name={self.name}, in={self.in_features}, out={self.out_features}"
 
     def target_under(self, plan: ExecutionPlan) -> float:
-        """This layer's activation-sparsity target under `plan` (its block's, times its family's factor)."""
-        return plan.sparsity_for(self.layer, self.family)
+        """This layer's activation-sparsity target under `plan` (its block's, times its family's factor), or 0
+        where the layer's own share of that target is below the sparsity its weights prune from
+        (SparsityOptions.quantized_sparse_from): it then multiplies dense, counted as dense."""
+        target = plan.sparsity_for(self.layer, self.family)
+        if target > 0.0 and self.sparse_from > 0.0 and self.sparsity.at(target) < self.sparse_from:
+            return 0.0
+        return target
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
