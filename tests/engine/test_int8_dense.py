@@ -148,3 +148,26 @@ def test_the_compiled_steps_operator_takes_the_same_product_and_counts_every_row
     y = counted_op()(x, q, None, torch.ones(576), thresholds, keeps, 0, stats, 1, scale, by_output)
     assert torch.equal(y, kernel(x, by_output, scale, None, 0))  # bits: the row kernel would differ by the rounding
     assert stats[1].tolist() == [576, 2 * 576, 1] and stats[0].tolist() == [0, 0, 0]
+
+
+def test_an_int8_output_head_takes_the_dense_product_for_few_rows_and_counts_it_dense(kernel):
+    from prunewatch.engine.sparse.output_head import ShortlistHead
+
+    torch.manual_seed(11)
+    head = ShortlistHead(nn.Linear(64, 200, bias=False), max_kernel_rows=4, weights="int8")
+    assert head.weight_by_output is not None
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(12))
+    ledger = ExecutionLedger()
+    with torch.no_grad(), executing(ExecutionPlan(), ledger):
+        y = head(x)
+    assert torch.equal(y[0], kernel(x[0], head.weight_by_output, head.weight_scale, None, 0))
+    assert ledger.executed_flops == ledger.dense_flops == 3 * 2 * 64 * 200
+    assert ledger.weight_bytes_read == head.dense_read_bytes
+    expected = F.linear(x, dequantize_int8(head.weight_t, head.weight_scale).t())
+    assert float((y - expected).abs().max()) < 1e-3  # the int16 rounding of the inputs, nothing more
+    odd = ShortlistHead(nn.Linear(40, 200, bias=False), weights="int8")  # 40 inputs: not whole groups
+    assert odd.weight_by_output is None
+    with torch.no_grad(), executing(ExecutionPlan(), ExecutionLedger()):
+        y = odd(x[..., :40])
+    torch.testing.assert_close(y, F.linear(x[..., :40], dequantize_int8(odd.weight_t, odd.weight_scale).t()),
+                               rtol=1e-5, atol=1e-5)

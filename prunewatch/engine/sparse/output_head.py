@@ -25,8 +25,9 @@ channel), so a head tied to the input embeddings stays tied; the copy costs voca
 weights of memory.
 
 With int8 weights (`weights="int8"`, prunewatch/engine/sparse/quantize.py) that copy is int8 with one scale
-per vocabulary entry, a quarter of the bytes, and every call with few rows reads it, the dense head's
-too (every input row read, counted as dense work). The head's own fp32 weight is overwritten with the
+per vocabulary entry, a quarter of the bytes, and every sparse call with few rows reads it; a dense call with
+few rows reads a second int8 copy laid out by output and multiplies it as integers on inputs rounded to int16
+per group of 32 (csrc/int8_dense.cpp), counted as dense work. The head's own fp32 weight is overwritten with the
 dequantized values, so calls with many rows (BLAS), the shortlist's exact logits and a tied input
 embedding all use the int8 model's values; the original fp32 weights are not kept.
 """
@@ -38,8 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunewatch.engine.execution import COMPILED_STEP, ExecutionLedger, current_execution
-from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel
-from prunewatch.engine.sparse.quantize import WeightFormat, dequantize_int8, quantize_int8
+from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel, int8_dense_kernel
+from prunewatch.engine.sparse.quantize import (
+    WeightFormat,
+    dequantize_int8,
+    int8_by_output_fits,
+    pack_int8_by_output,
+    quantize_int8,
+)
 from prunewatch.engine.sparse.targets import LinearWrapper, in_out
 
 RESCORE_CHUNK_ROWS = 16  # rows whose shortlist weights are gathered at once: 16 x 1024 x hidden floats
@@ -69,6 +76,10 @@ class ShortlistHead(LinearWrapper):
                 linear.weight.copy_(dequantize_int8(weight_t, weight_scale).t())
         self.register_buffer("weight_t", weight_t, persistent=False)
         self.register_buffer("weight_scale", weight_scale, persistent=False)  # (vocab,) for int8, else None
+        # int8: the same weights laid out by output, for the dense product of few rows (csrc/int8_dense.cpp)
+        fits = self.quantized and int8_by_output_fits(self.in_features, self.out_features)
+        self.register_buffer("weight_by_output", pack_int8_by_output(weight_t) if fits else None, persistent=False)
+        self._int8_dense = int8_dense_kernel(weight.device) if fits else None
         self.register_buffer("ones", torch.ones(self.in_features, dtype=torch.float32, device=weight.device),
                              persistent=False)
         self._kernel = device_kernel(weight.device)
@@ -121,7 +132,8 @@ class ShortlistHead(LinearWrapper):
         if not self.counting or not (COMPILED_STEP.output_head or self.quantized):
             return self.linear(x)
         flat = x.reshape(-1, self.in_features)
-        logits = self.counted_call(flat, self.weight_t, self.linear.bias, self.ones, self.weight_scale)
+        logits = self.counted_call(flat, self.weight_t, self.linear.bias, self.ones, self.weight_scale,
+                                   self.weight_by_output)  # taken only by a dense call (top-k -1)
         if COMPILED_STEP.output_head:  # else: the int8 head read in full (its top-k is -1), exact already
             self._rescore(flat, logits, COMPILED_STEP.shortlist, None)
         return logits.reshape(*x.shape[:-1], self.out_features)
@@ -140,16 +152,21 @@ class ShortlistHead(LinearWrapper):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
-        """The dense head on int8 weights (or fp32 under a row-invariant plan): the kernel reading every input row
-        when the call has few rows, counted here as the dense work it is (the counting hook fires on the wrapped
+        """The dense head on int8 weights (or fp32 under a row-invariant plan) when the call has few rows: int8 laid
+        out by output and multiplied as integers on int16-rounded inputs (csrc/int8_dense.cpp), else the kernel
+        reading every input row, counted here as the dense work it is (the counting hook fires on the wrapped
         layer's calls only); the wrapped fp32 layer otherwise (many rows: compute-bound, BLAS is faster)."""
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         if rows > self.max_kernel_rows:
             return self.linear(x)
-        kernel = self._kernel if flat.device.type == self.weight_t.device.type else device_kernel(flat.device)
-        output, _, _ = kernel(flat, self.weight_t, self.linear.bias, self.ones, -1.0, -1, self.kernel_threads,
-                              self.weight_scale)
+        if self._int8_dense is not None:
+            output = self._int8_dense(flat, self.weight_by_output, self.weight_scale, self.linear.bias,
+                                      self.kernel_threads)
+        else:
+            kernel = self._kernel if flat.device.type == self.weight_t.device.type else device_kernel(flat.device)
+            output, _, _ = kernel(flat, self.weight_t, self.linear.bias, self.ones, -1.0, -1, self.kernel_threads,
+                                  self.weight_scale)
         work = self._dense_flops_per_row * rows
         ledger.dense_flops += work
         ledger.executed_flops += work
