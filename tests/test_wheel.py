@@ -34,7 +34,7 @@ DATA = (
     "prunewatch/engine/sparse/csrc/int4_dense.h",
     "prunewatch/engine/sparse/csrc/int8_dense.cpp",
     "prunewatch/engine/sparse/csrc/int8_dense.h",
-    "prunewatch/engine/sparse/csrc/rounded_inputs.h",
+    "prunewatch/engine/sparse/csrc/integer_dense.h",
     "prunewatch/engine/sparse/csrc/thread_count.h",
     "prunewatch/probes/canonical.yaml",
     "prunewatch/probes/evaluation.yaml",

@@ -88,15 +88,6 @@ def test_the_product_is_the_integer_dot_products_of_int16_inputs(kernel, shape, 
     assert bool(((y.double() - exact).abs() <= _bound(x, q, scale) + 1e-5).all())
 
 
-def test_a_row_gets_the_same_bits_in_any_batch_and_under_any_thread_count(kernel):
-    _, scale, by_output = _layer(576, 1536, seed=3)
-    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(4))
-    batch = kernel(x, by_output, scale, None, 0)
-    for row in (0, 5, 7):
-        assert torch.equal(kernel(x[row:row + 1], by_output, scale, None, 0), batch[row:row + 1])
-    assert torch.equal(kernel(x, by_output, scale, None, 1), batch)
-
-
 def test_misshapen_inputs_are_refused(kernel):
     _, scale, by_output = _layer(64, 32, seed=5)
     with pytest.raises(RuntimeError, match="multiple of 32"):

@@ -39,7 +39,7 @@ SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_dense.cpp", 
 """The extension's sources, built together as one module: the sparse linear kernel, the dense decode products of
 int4 and int8 weights laid out by output (csrc/int4_dense.cpp, csrc/int8_dense.cpp), and the attention of a batched
 decode step (csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
-HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "int8_dense.h", "rounded_inputs.h", "thread_count.h"))
+HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "int8_dense.h", "integer_dense.h", "thread_count.h"))
 """Headers the sources include: part of the build's digest, so that changing one rebuilds the module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""

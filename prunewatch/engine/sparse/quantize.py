@@ -62,7 +62,7 @@ def int8_by_output_fits(in_features: int, out_features: int) -> bool:
 
 
 def _rounded_order() -> torch.Tensor:
-    """The input order of the integer dense products' rounded inputs in a group of 32 (csrc/rounded_inputs.h):
+    """The input order of the integer dense products' rounded inputs in a group of 32 (csrc/integer_dense.h):
     inputs 0-7, 16-23, 8-15, 24-31."""
     return torch.tensor([(0 if j % 16 < 8 else 16) + (0 if j < 16 else 8) + j % 8 for j in range(INT4_GROUP)])
 

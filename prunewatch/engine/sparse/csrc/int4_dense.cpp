@@ -8,7 +8,7 @@
 // by 16 inputs and adds them in pairs, and per group and output the exact integer sum is scaled by the weight's and
 // the input's scales, while the weight's minimum multiplies the group's exact fp32 input sum:
 //   y[o] = sum over g of d[g, o] * dx[g] * sum_i q[i, o] * xq[i] + m[g, o] * sum_i x[i].
-// Why int16 inputs: rounded_inputs.h.
+// Why int16 inputs: integer_dense.h.
 //
 // The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g as
 // GGUF's Q4_1 packs them (byte j: input j in the low nibble, input j + 16 in the high one), so a thread streams one
@@ -21,27 +21,14 @@
 
 #include "int4_dense.h"
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <vector>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#include "rounded_inputs.h"
-#include "thread_count.h"
+#include "integer_dense.h"  // with <immintrin.h> where the compiler targets AVX2
 
 namespace prunewatch {
 namespace {
 
-using rounded_inputs::kGroup;  // inputs per input scale and per weight scale (the int4 group)
-using rounded_inputs::RoundedRows;
-constexpr int64_t kBlock = 8;  // outputs whose sums are reduced together
-constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
+using integer_dense::kBlock;
+using integer_dense::kGroup;
+using integer_dense::RoundedRows;
 
 // Outputs [8 * b0, 8 * b1) of every row.
 void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales, const float* bias, int64_t rows,
@@ -73,11 +60,7 @@ void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales
         for (int64_t k = 0; k < kBlock; ++k) {
           s[k] = _mm256_add_epi32(_mm256_madd_epi16(wl[k], xl), _mm256_madd_epi16(wh[k], xh));
         }
-        // Across lanes: a = outputs 0-3 (each lane's half), b = outputs 4-7; the halves added give outputs 0-7.
-        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-        const __m256i sums =
-            _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+        const __m256i sums = integer_dense::sum_lanes(s);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xq.dx[at])), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.sx[at]), acc[r]);
       }
@@ -99,7 +82,7 @@ void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales
           const int16_t* q = xq.q.data() + at * kGroup;
           int32_t sum = 0;
           for (int64_t j = 0; j < 16; ++j) {
-            sum += (p[j] & 0xF) * q[rounded_inputs::position(j)] + (p[j] >> 4) * q[rounded_inputs::position(j + 16)];
+            sum += (p[j] & 0xF) * q[integer_dense::position(j)] + (p[j] >> 4) * q[integer_dense::position(j + 16)];
           }
           const float d = static_cast<float>(scales[2 * g * out + o]);
           const float m = static_cast<float>(scales[(2 * g + 1) * out + o]);
@@ -115,24 +98,18 @@ void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales
 
 void check_inputs(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& scales,
                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && by_output.device().is_cpu() && scales.device().is_cpu(),
-              "int4_dense_linear: CPU tensors expected");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.size(1) > 0,
-              "int4_dense_linear: x must be (rows, in) with in a multiple of 32, got ", x.sizes());
-  const int64_t in = x.size(1), groups = in / kGroup;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == 2 && scales.size(2) % kBlock == 0 &&
+  TORCH_CHECK(by_output.device().is_cpu() && scales.device().is_cpu(), "int4_dense_linear: CPU tensors expected");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) == 2 && scales.size(2) % kBlock == 0 && scales.size(2) > 0 &&
                   scales.scalar_type() == at::kHalf && scales.is_contiguous(),
               "int4_dense_linear: scales must be a contiguous float16 (in / 32, 2, out) tensor with out a multiple "
-              "of 8, got ", scales.sizes(), " for in = ", in);
+              "of 8, got ", scales.sizes());
   const int64_t out = scales.size(2);
-  TORCH_CHECK(by_output.scalar_type() == at::kByte && by_output.is_contiguous() && by_output.dim() == 4 &&
-                  by_output.size(0) == out / kBlock && by_output.size(1) == groups && by_output.size(2) == kBlock &&
-                  by_output.size(3) == 16,
-              "int4_dense_linear: by_output must be a contiguous uint8 (out / 8, in / 32, 8, 16) tensor "
-              "(quantize.pack_int4_by_output), got ", by_output.sizes(), " for in = ", in, ", out = ", out);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, "int4_dense_linear: bias must have length out");
-  }
+  integer_dense::check_rows("int4_dense_linear", x, bias, out);
+  const int64_t in = x.size(1), groups = in / kGroup;
+  TORCH_CHECK(scales.size(0) == groups, "int4_dense_linear: scales must be a contiguous float16 (in / 32, 2, out) "
+              "tensor, got ", scales.sizes(), " for in = ", in);
+  integer_dense::check_by_output("int4_dense_linear", by_output, at::kByte, 16, in, out,
+                                 "quantize.pack_int4_by_output");
 }
 
 }  // namespace
@@ -140,26 +117,15 @@ void check_inputs(const at::Tensor& x, const at::Tensor& by_output, const at::Te
 at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& bias, int64_t threads) {
   check_inputs(x, by_output, scales, bias);
-  keep_thread_count();
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup, out = scales.size(2);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const RoundedRows xq = rounded_inputs::round_rows(xf.data_ptr<float>(), rows, in);
-  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({rows, out}, xf.options());
+  const integer_dense::Call call = integer_dense::prepare(x, bias, out);
   const uint8_t* w = by_output.data_ptr<uint8_t>();
   const at::Half* s = scales.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = out / kBlock;
-  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
-  auto body = [&](int64_t b0, int64_t b1) { blocks_into(xq, w, s, b, rows, groups, out, b0, b1, yp); };
-  if (num_threads == 1 || in * out < kMinWeightsPerThread * 2) {
-    body(0, blocks);
-  } else {
-    at::parallel_for(0, blocks, (blocks + num_threads - 1) / num_threads, body);
-  }
-  return y.to(x.scalar_type());
+  float* y = call.y.data_ptr<float>();
+  integer_dense::over_output_blocks(in, out, threads, [&](int64_t b0, int64_t b1) {
+    blocks_into(call.xq, w, s, call.bias, rows, groups, out, b0, b1, y);
+  });
+  return call.y.to(x.scalar_type());
 }
 
 }  // namespace prunewatch

@@ -3,7 +3,7 @@
 // The sparse kernel (sparse_linear.cpp) widens each int8 weight to fp32 before its multiply-add: three
 // instructions per 8 weights, which bind a one-token step on two cores well before the bytes do. A dense call
 // needs no row selection, so here the weights are laid out by output and multiplied as the small integers they
-// are: each group of 32 inputs of a row is rounded to int16 with a scale of its own (rounded_inputs.h says why 16
+// are: each group of 32 inputs of a row is rounded to int16 with a scale of its own (integer_dense.h says why 16
 // bits), `madd` multiplies 16 weights by 16 inputs and adds them in pairs, and per group and output the integer
 // sum is scaled by the input's scale; the output's own scale multiplies the finished sum:
 //   y[o] = s[o] * sum over g of dx[g] * sum_i q[i, o] * xq[i].
@@ -20,27 +20,14 @@
 
 #include "int8_dense.h"
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <vector>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#include "rounded_inputs.h"
-#include "thread_count.h"
+#include "integer_dense.h"  // with <immintrin.h> where the compiler targets AVX2
 
 namespace prunewatch {
 namespace {
 
-using rounded_inputs::kGroup;
-using rounded_inputs::RoundedRows;
-constexpr int64_t kBlock = 8;  // outputs whose sums are reduced together
-constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
+using integer_dense::kBlock;
+using integer_dense::kGroup;
+using integer_dense::RoundedRows;
 
 // Outputs [8 * b0, 8 * b1) of every row.
 void blocks_into(const RoundedRows& xq, const int8_t* w, const float* ws, const float* bias, int64_t rows,
@@ -66,19 +53,16 @@ void blocks_into(const RoundedRows& xq, const int8_t* w, const float* ws, const 
         for (int64_t k = 0; k < kBlock; ++k) {
           s[k] = _mm256_add_epi32(_mm256_madd_epi16(wl[k], xl), _mm256_madd_epi16(wh[k], xh));
         }
-        // Across lanes: a = outputs 0-3 (each lane's half), b = outputs 4-7; the halves added give outputs 0-7.
-        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-        const __m256i sums =
-            _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+        const __m256i sums = integer_dense::sum_lanes(s);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(xq.dx[at]), acc[r]);
       }
     }
     const __m256 scale = _mm256_loadu_ps(ws + ob * kBlock);
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256 v = _mm256_mul_ps(acc[r], scale);
+      // One fused multiply-add with the bias, written out so that no compiler contracts it differently
       _mm256_storeu_ps(y + r * out + ob * kBlock,
-                       bias != nullptr ? _mm256_add_ps(v, _mm256_loadu_ps(bias + ob * kBlock)) : v);
+                       bias != nullptr ? _mm256_fmadd_ps(acc[r], scale, _mm256_loadu_ps(bias + ob * kBlock))
+                                       : _mm256_mul_ps(acc[r], scale));
     }
   }
 #else
@@ -97,8 +81,7 @@ void blocks_into(const RoundedRows& xq, const int8_t* w, const float* ws, const 
           }
           acc = std::fma(static_cast<float>(sum), xq.dx[at], acc);
         }
-        const float v = acc * ws[o];
-        y[r * out + o] = bias != nullptr ? v + bias[o] : v;
+        y[r * out + o] = bias != nullptr ? std::fma(acc, ws[o], bias[o]) : acc * ws[o];
       }
     }
   }
@@ -107,24 +90,16 @@ void blocks_into(const RoundedRows& xq, const int8_t* w, const float* ws, const 
 
 void check_inputs(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& weight_scale,
                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && by_output.device().is_cpu() && weight_scale.device().is_cpu(),
-              "int8_dense_linear: CPU tensors expected");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.size(1) > 0,
-              "int8_dense_linear: x must be (rows, in) with in a multiple of 32, got ", x.sizes());
-  const int64_t in = x.size(1), groups = in / kGroup;
+  TORCH_CHECK(by_output.device().is_cpu() && weight_scale.device().is_cpu(), "int8_dense_linear: CPU tensors expected");
   TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) % kBlock == 0 && weight_scale.size(0) > 0 &&
                   weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous(),
               "int8_dense_linear: weight_scale must be a contiguous float32 (out,) tensor with out a multiple of 8, "
               "got ", weight_scale.sizes(), " ", weight_scale.scalar_type());
   const int64_t out = weight_scale.size(0);
-  TORCH_CHECK(by_output.scalar_type() == at::kChar && by_output.is_contiguous() && by_output.dim() == 4 &&
-                  by_output.size(0) == out / kBlock && by_output.size(1) == groups && by_output.size(2) == kBlock &&
-                  by_output.size(3) == kGroup,
-              "int8_dense_linear: by_output must be a contiguous int8 (out / 8, in / 32, 8, 32) tensor "
-              "(quantize.pack_int8_by_output), got ", by_output.sizes(), " for in = ", in, ", out = ", out);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, "int8_dense_linear: bias must have length out");
-  }
+  integer_dense::check_rows("int8_dense_linear", x, bias, out);
+  const int64_t in = x.size(1);
+  integer_dense::check_by_output("int8_dense_linear", by_output, at::kChar, kGroup, in, out,
+                                 "quantize.pack_int8_by_output");
 }
 
 }  // namespace
@@ -132,26 +107,15 @@ void check_inputs(const at::Tensor& x, const at::Tensor& by_output, const at::Te
 at::Tensor int8_dense_linear(const at::Tensor& x, const at::Tensor& by_output, const at::Tensor& weight_scale,
                              const c10::optional<at::Tensor>& bias, int64_t threads) {
   check_inputs(x, by_output, weight_scale, bias);
-  keep_thread_count();
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup, out = weight_scale.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const RoundedRows xq = rounded_inputs::round_rows(xf.data_ptr<float>(), rows, in);
-  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({rows, out}, xf.options());
+  const integer_dense::Call call = integer_dense::prepare(x, bias, out);
   const int8_t* w = by_output.data_ptr<int8_t>();
   const float* ws = weight_scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = out / kBlock;
-  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
-  auto body = [&](int64_t b0, int64_t b1) { blocks_into(xq, w, ws, b, rows, groups, out, b0, b1, yp); };
-  if (num_threads == 1 || in * out < kMinWeightsPerThread * 2) {
-    body(0, blocks);
-  } else {
-    at::parallel_for(0, blocks, (blocks + num_threads - 1) / num_threads, body);
-  }
-  return y.to(x.scalar_type());
+  float* y = call.y.data_ptr<float>();
+  integer_dense::over_output_blocks(in, out, threads, [&](int64_t b0, int64_t b1) {
+    blocks_into(call.xq, w, ws, call.bias, rows, groups, out, b0, b1, y);
+  });
+  return call.y.to(x.scalar_type());
 }
 
 }  // namespace prunewatch

@@ -1,0 +1,140 @@
+// What the integer dense products (int4_dense.cpp, int8_dense.cpp) share: decode inputs rounded to int16 with one
+// scale per group of 32, the sum of 8 outputs' partial sums across vector lanes, and the split of output blocks
+// over threads.
+//
+// Why int16 and not llama.cpp's int8 (one `maddubs` per 32 weights instead of two `madd` per 16): a group's
+// largest input sets its step, and LLM activations have outlier channels, so at 8 bits the other inputs of an
+// outlier's group lose most of their precision. On SmolLM2-135M's 63 held-out prompts int4 dense agreed with fp32
+// dense on 0.989 of the tokens with int16 inputs (bench/results/precision-cpu.json) and 0.961 with int8 ones
+// (bench/results/precision-cpu-int4-int8-inputs.json), under the quality floor, for no measurable gain in a whole
+// decode step. At 16 bits a step is 1/65534 of the group's largest input, far below the weights' own rounding.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "thread_count.h"
+
+namespace prunewatch {
+namespace integer_dense {
+
+constexpr int64_t kGroup = 32;  // inputs per input scale
+constexpr float kLevels = 32767.0f;  // int16 inputs: -32767..32767
+
+// Input of the rounded order at position j: 0-7, 16-23, then 8-15, 24-31 (a 128-bit lane each), the order in
+// which int4's nibbles unpack; int8 weights are laid out in it too (quantize.pack_int8_by_output).
+inline int64_t position(int64_t j) { return (j % 16 < 8 ? 0 : 16) + (j < 16 ? 0 : 8) + j % 8; }
+
+// One row's group of 32 inputs rounded: q gets them in the rounded order, dx the scale, sx the exact sum.
+inline void round_group(const float* v, int16_t* q, float* dx, float* sx) {
+  float amax = 0.0f, sum = 0.0f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    amax = std::max(amax, std::fabs(v[j]));
+    sum += v[j];
+  }
+  const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    q[j] = static_cast<int16_t>(std::nearbyint(v[position(j)] * inv));
+  }
+  *dx = amax / kLevels;
+  *sx = sum;
+}
+
+struct RoundedRows {
+  std::vector<int16_t> q;  // (rows, groups, 32)
+  std::vector<float> dx, sx;  // (rows, groups)
+};
+
+inline RoundedRows round_rows(const float* x, int64_t rows, int64_t in) {
+  const int64_t groups = in / kGroup;
+  RoundedRows out{std::vector<int16_t>(rows * groups * kGroup), std::vector<float>(rows * groups),
+                  std::vector<float>(rows * groups)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = r * groups + g;
+      round_group(x + r * in + g * kGroup, out.q.data() + at * kGroup, &out.dx[at], &out.sx[at]);
+    }
+  }
+  return out;
+}
+
+constexpr int64_t kBlock = 8;  // outputs whose sums are reduced together
+constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
+
+#if defined(__AVX2__)
+// Eight outputs' vectors of partial sums, each summed across its lanes: output k in lane k. a = outputs 0-3 (each
+// 128-bit lane holds half of each sum), b = outputs 4-7; the halves added give outputs 0-7.
+inline __m256i sum_lanes(const __m256i s[kBlock]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+#endif
+
+// A call's inputs as the products read them: x rounded, the bias as fp32 (or none), and the output to fill.
+struct Call {
+  at::Tensor xf;
+  RoundedRows xq;
+  at::Tensor bias_f;
+  const float* bias;
+  at::Tensor y;
+};
+
+// Checks x (rows, in) with in a multiple of 32, and the bias's length; `name` prefixes the errors.
+inline void check_rows(const char* name, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t out) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && x.size(1) > 0,
+              name, ": x must be (rows, in) with in a multiple of 32, got ", x.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out, name, ": bias must have length out");
+  }
+}
+
+// Checks the weights laid out by output: a contiguous (out / 8, in / 32, 8, width) tensor of `dtype`; `layout`
+// names it in the error (the Python function that makes it).
+inline void check_by_output(const char* name, const at::Tensor& by_output, at::ScalarType dtype, int64_t width,
+                            int64_t in, int64_t out, const char* layout) {
+  TORCH_CHECK(by_output.scalar_type() == dtype && by_output.is_contiguous() && by_output.dim() == 4 &&
+                  by_output.size(0) == out / kBlock && by_output.size(1) == in / kGroup &&
+                  by_output.size(2) == kBlock && by_output.size(3) == width,
+              name, ": by_output must be a contiguous ", dtype, " (out / 8, in / 32, 8, ", width, ") tensor (", layout,
+              "), got ", by_output.scalar_type(), " ", by_output.sizes(), " for in = ", in, ", out = ", out);
+}
+
+inline Call prepare(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t out) {
+  keep_thread_count();
+  Call call;
+  call.xf = x.to(at::kFloat).contiguous();
+  call.xq = round_rows(call.xf.data_ptr<float>(), x.size(0), x.size(1));
+  call.bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  call.bias = bias.has_value() ? call.bias_f.data_ptr<float>() : nullptr;
+  call.y = at::empty({x.size(0), out}, call.xf.options());
+  return call;
+}
+
+// body(b0, b1) over the `out / 8` output blocks: split among at most `threads` threads (<= 0: torch's intra-op
+// count), each taking whole blocks, or run on this thread for a small layer.
+template <typename Body>
+void over_output_blocks(int64_t in, int64_t out, int64_t threads, const Body& body) {
+  const int64_t blocks = out / kBlock;
+  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
+  if (num_threads == 1 || in * out < kMinWeightsPerThread * 2) {
+    body(0, blocks);
+  } else {
+    at::parallel_for(0, blocks, (blocks + num_threads - 1) / num_threads, body);
+  }
+}
+
+}  // namespace integer_dense
+}  // namespace prunewatch
