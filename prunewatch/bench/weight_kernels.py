@@ -41,6 +41,9 @@ METHOD = {
                      "(engine int8 dense and int4 dense: their inputs rounded to int16 per group of 32)",
     "sparse": "measured: the sparse kernel on the quantized weights with the input's smallest entries zeroed to "
               "each sparsity (us and vs_fp32 as above; error against the fp32 product of the same masked input)",
+    "head": "measured: the int8 output head, one token row, median ms of its dense integer product and of its "
+            "shortlist at each input sparsity (1024 exact candidates), each call under an execution plan as in a "
+            "decode step; vs_dense above 1: faster than the dense head",
     "break_even": "computed from the medians: the input sparsity at which the sparse kernel's time falls to the "
                   "dense integer product's, linear between the timed sparsities (0: the whole row kernel); None: not "
                   "reached by 0.85",
@@ -131,6 +134,46 @@ def break_even(medians: dict[str, float], fmt: str) -> float | None:
     return None
 
 
+HEAD_LEVELS = (0.5, 0.7, 0.9)
+"""Input sparsities at which the int8 output head's shortlist is timed against its dense integer product."""
+
+
+def head_times(model_dir: Path, reps: int, candidates: int = 1024) -> dict:
+    """The int8 output head (prunewatch.engine.sparse.output_head) on a random (hidden, vocab) layer of the model's
+    shape, one token row: median ms of its dense integer product and of its shortlist at each HEAD_LEVELS sparsity
+    with `candidates` exact logits, each call as a decode step makes it (under an execution plan)."""
+    import torch
+    from torch import nn
+
+    from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
+    from prunewatch.engine.sparse.output_head import ShortlistHead
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    g = torch.Generator().manual_seed(hidden + vocab)
+    linear = nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(vocab, hidden, generator=g) / hidden ** 0.5)
+    head = ShortlistHead(linear, weights="int8")
+    x = torch.randn(1, 1, hidden, generator=g)
+    plans = {"dense": ExecutionPlan(), **{f"shortlist {level:.2f}": ExecutionPlan(
+        output_head_sparsity=level, output_head_candidates=candidates) for level in HEAD_LEVELS}}
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    with torch.no_grad():
+        for r in range(reps + 1):  # the first round warms up
+            names = list(plans)[r % len(plans):] + list(plans)[:r % len(plans)]
+            for name in names:
+                started = time.perf_counter()
+                for _ in range(5):
+                    with executing(plans[name], ExecutionLedger()):
+                        head(x)
+                if r > 0:
+                    times[name].append((time.perf_counter() - started) / 5 * 1e3)
+    medians = {name: round(statistics.median(values), 3) for name, values in times.items()}
+    return {"in": hidden, "out": vocab, "candidates": candidates, "ms": medians,
+            "vs_dense": {name: round(medians["dense"] / value, 3) for name, value in medians.items()}}
+
+
 def run(model_dir: Path, reps: int, threads: int | None, out: Path) -> dict:
     import torch
 
@@ -155,7 +198,8 @@ def run(model_dir: Path, reps: int, threads: int | None, out: Path) -> dict:
                    "max_abs_error": errors[name]} for name in TIMED},
                      "break_even": {fmt: break_even(medians, fmt) for fmt in ("int8", "int4")}})
     result = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": invocation("kernels"),
-              "machine": machine_info("cpu"), "model": model_dir.name, "reps": reps, "method": METHOD, "rows": rows}
+              "machine": machine_info("cpu"), "model": model_dir.name, "reps": reps, "method": METHOD, "rows": rows,
+              "head": head_times(model_dir, reps)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -173,6 +217,9 @@ def format_table(result: dict) -> str:
                         for n in SPARSE_KERNELS)
         even = row["break_even"]
         lines.append(f"{row['in']}x{row['out']:<8}" + cells + f"   {even['int8']}, {even['int4']}")
+    head = result["head"]
+    lines.append(f"int8 head {head['in']}x{head['out']}: " + ", ".join(
+        f"{name} {ms:.2f} ms ({head['vs_dense'][name]:.2f}x)" for name, ms in head["ms"].items()))
     return "\n".join(lines)
 
 

@@ -106,6 +106,10 @@ def test_weight_kernel_bench_times_every_kernel_on_every_layer_shape(probe_model
         for name, kernel in row["kernels"].items():
             limit = 1e-3 if name in weight_kernels.ROUNDED_INPUTS else 1e-4
             assert kernel["us"] > 0 and kernel["max_abs_error"] < limit
+    head = result["head"]
+    assert (head["in"], head["out"]) == (192, 4096)  # the probe model's hidden size and vocabulary
+    assert set(head["ms"]) == {"dense", "shortlist 0.50", "shortlist 0.70", "shortlist 0.90"}
+    assert head["vs_dense"]["dense"] == 1.0 and all(ms > 0 for ms in head["ms"].values())
 
 
 def test_the_break_even_sparsity_is_where_the_sparse_kernel_meets_the_dense_product():
