@@ -795,11 +795,13 @@ class PruningEngine:
 
     def _with_sparsity(self, bypass_plan: BypassPlan, blacklist: list[int]) -> ExecutionPlan:
         """Add the request's activation-sparsity target (sensitivity-scaled; blacklisted and transition
-        layers keep dense inputs) and its output-head target (prunewatch.engine.settings.output_head_target) to its
-        bypass plan."""
+        layers keep dense inputs) and its output-head target (prunewatch.engine.settings.output_head_target; with
+        quantized weights from quantized_output_head_sparsity) to its bypass plan."""
         effective = bypass_plan.signals.effective_sensitivity
         plan = bypass_plan.plan
-        head_target = output_head_target(self.settings.output_head_sparsity, effective)
+        head_setting = (self.settings.output_head_sparsity if self.settings.weights == "fp32"
+                        else self.settings.quantized_output_head_sparsity)
+        head_target = output_head_target(head_setting, effective)
         if self._output_head is not None and head_target > 0.0:
             plan = replace(plan, output_head_sparsity=round(head_target, 4),
                            output_head_candidates=self.settings.output_head_candidates)

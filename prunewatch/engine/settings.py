@@ -27,9 +27,11 @@ decode ratio 0.076, kept 0.977 [0.971, 0.982] where TEAL's uniform thresholds ke
 QUANTIZED_SPARSE_FROM = 0.6
 """The layer sparsity from which int8 and int4 layers read only their active rows. On SmolLM2-135M's four layer
 shapes, one token, two threads (bench/results/weight-kernels-cpu.json, break_even), the sparse kernel caught up with
-the dense integer product at 0.43-0.79 (int8) and 0.52-0.80 or beyond 0.85 (int4) sparsity; weighted by the
-layers' multiply-adds, 0.52 (int8) and about 0.64 (int4). Near the break-even a skipped row saves no time and still
-costs quality, so the default sits at their middle."""
+the dense integer product at 0.47-0.79 sparsity for int8 (576 x 192: not by 0.85) and 0.61-0.65 for int4 (the
+attention shapes: not by 0.85); weighted by the layers' multiply-adds, at least 0.57 (int8) and 0.68 (int4),
+counting a shape not caught up by 0.85 at 0.85. The break-evens move by up to 0.1 between runs (an earlier run had
+0.43-0.79 and 0.52-0.80). Near them a skipped row saves no time and still costs quality; the default sits between
+the two formats."""
 
 DEFAULT_OUTPUT_HEAD_SPARSITY = 0.6
 """Output-head input sparsity (prunewatch/engine/sparse/output_head.py) with a 1024-logit exact shortlist: on
@@ -122,6 +124,14 @@ class EngineSettings(BaseSettings):
             "output_head_candidates highest. 0 runs the head dense. The default kept the dense argmax on every "
             "held-out token of SmolLM2-135M-Instruct (perplexity +0.1% to +0.5%)."),
     )
+    quantized_output_head_sparsity: float = Field(
+        0.0, ge=0.0, le=0.9,
+        description=(
+            "output_head_sparsity for int8 and int4 weights (whose head is int8); 0 runs the head dense. Its "
+            "shortlist (approximate logits through the sparse kernel, then exact ones for the candidates) was slower "
+            "than the int8 head's dense integer product at every sparsity timed, up to 0.9, on SmolLM2-135M's "
+            "576 x 49152 head (`prunewatch bench kernels`, `head` in bench/results/weight-kernels-cpu.json)."),
+    )
     output_head_candidates: int = Field(
         1024, ge=1, le=1_000_000,
         description="How many of the highest approximate logits the output head recomputes exactly per token.",
@@ -179,12 +189,12 @@ class EngineSettings(BaseSettings):
         "fp32",
         description=(
             "How the linear layers' weights are held and read: 'fp32' as loaded, or 'int8' with one scale per "
-            "output channel (prunewatch/engine/sparse/quantize.py), which every decode step reads through the sparse "
-            "kernel, dense plans included: a quarter of the bytes per step, on the CPU only; or 'int4' in groups of 32 "
-            "input channels with an fp16 scale and minimum each (GGUF's Q4_1 block: a model shipped as Q4_1 keeps "
-            "its exact weights), the output head int8, and a layer whose sizes are not multiples of 32 int8 too; an "
-            "int4 layer's dense decode products round their inputs to int16 per group of 32 and multiply as "
-            "integers. "
+            "output channel (prunewatch/engine/sparse/quantize.py): a quarter of the bytes per step, on the CPU "
+            "only; or 'int4' in groups of 32 input channels with an fp16 scale and minimum each (GGUF's Q4_1 block: "
+            "a model shipped as Q4_1 keeps its exact weights), the output head int8, and a layer whose sizes are "
+            "not multiples of 32 int8 too. Sparse decode calls read the active quantized rows through the sparse "
+            "kernel (from quantized_sparse_from up); dense ones round their inputs to int16 per group of 32 and "
+            "multiply a copy of the weights laid out by output as integers. "
             "The quality of each against fp32 dense is measured by `prunewatch bench precision`."),
     )
     quantized_sparse_from: float = Field(

@@ -131,7 +131,7 @@ PROMPT = SPEED_PROMPT
 def engines(probe_model_dir, calibration_dir):
     return (load_probe_engine(probe_model_dir, calibration_dir),
             load_probe_engine(probe_model_dir, calibration_dir, weights="int4", compile_decode=True,
-                              quantized_sparse_from=0.0))  # the layers prune at any sparsity: the sparse graphs run
+                              quantized_sparse_from=0.0, quantized_output_head_sparsity=0.6))  # layers and head prune
 
 
 def test_int4_engine_holds_int4_projections_and_an_int8_head(engines):

@@ -134,7 +134,7 @@ def test_int8_engine_generates_and_its_default_plan_prunes(probe_model_dir, cali
 @pytest.fixture(scope="module")
 def compiled_int8(probe_model_dir, calibration_dir):
     return load_probe_engine(probe_model_dir, calibration_dir, weights="int8", compile_decode=True,
-                             quantized_sparse_from=0.0)  # the layers prune at any sparsity: the sparse graphs run
+                             quantized_sparse_from=0.0, quantized_output_head_sparsity=0.6)  # layers and head prune
 
 
 def test_compiled_int8_steps_equal_eager_and_count_the_same_bytes(compiled_int8):

@@ -72,3 +72,13 @@ def test_an_engine_with_quantized_layers_kept_dense_decodes_its_default_plan_as_
         assert run.tokens == dense.tokens
         assert run.ledger.decode_pruning_ratio == 0.0
         assert run.ledger.decode_bytes_read == pytest.approx(dense.ledger.decode_bytes_read, rel=1e-3)
+
+
+def test_a_quantized_engine_runs_its_head_dense_unless_told_its_own_head_sparsity(probe_model_dir, calibration_dir):
+    ids = None
+    for setting, expected in ((None, 0.0), (0.6, 0.6)):
+        extra = {} if setting is None else {"quantized_output_head_sparsity": setting}
+        engine = load_probe_engine(probe_model_dir, calibration_dir, weights="int8", output_head_sparsity=0.6, **extra)
+        ids = ids or engine.render_prompt(SPEED_PROMPT)
+        plan = engine.execution_plan(ids, 1.0, [], prompt_text=SPEED_PROMPT)
+        assert plan.output_head_sparsity == pytest.approx(expected)  # output_head_sparsity is fp32's
