@@ -29,8 +29,8 @@ QUANTIZED_SPARSE_FROM = 0.6
 shapes, one token, two threads (bench/results/weight-kernels-cpu.json, break_even), the sparse kernel caught up with
 the dense integer product at 0.47-0.79 sparsity for int8 (576 x 192: not by 0.85) and 0.61-0.65 for int4 (the
 attention shapes: not by 0.85); weighted by the layers' multiply-adds, at least 0.57 (int8) and 0.68 (int4),
-counting a shape not caught up by 0.85 at 0.85. The break-evens move by up to 0.1 between runs (an earlier run had
-0.43-0.79 and 0.52-0.80). Near them a skipped row saves no time and still costs quality; the default sits between
+counting a shape not caught up by 0.85 at 0.85. The break-evens move by up to 0.1 between runs (the run committed
+with 7ec40cb had 0.43-0.79 and 0.52-0.80). Near them a skipped row saves no time and still costs quality; the default sits between
 the two formats."""
 
 DEFAULT_OUTPUT_HEAD_SPARSITY = 0.6
