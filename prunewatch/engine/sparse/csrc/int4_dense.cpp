@@ -36,38 +36,35 @@ void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales
 #if defined(__AVX2__)
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i zero = _mm256_setzero_si256();
-  std::vector<__m256> acc(rows);
+  // Row by row over a block: its weights (8 x in / 2 bytes) stay in L1 for the next row, and each output's
+  // nibbles are unpacked where they are used, so the loop holds 8 sums, 2 inputs and a weight pair in 16 vector
+  // registers.
   for (int64_t ob = b0; ob < b1; ++ob) {
-    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-    const uint8_t* p = w + ob * groups * kBlock * 16;
-    for (int64_t g = 0; g < groups; ++g, p += kBlock * 16) {
-      __m256i wl[kBlock], wh[kBlock];  // per output, 16-bit weights: inputs 0-7 | 16-23 (wl) and 8-15 | 24-31 (wh)
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
-        const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);  // 0-15 | 16-31
-        wl[k] = _mm256_unpacklo_epi8(nibbles, zero);
-        wh[k] = _mm256_unpackhi_epi8(nibbles, zero);
-      }
-      const at::Half* ds = scales + 2 * g * out + ob * kBlock;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + out)));
-      for (int64_t r = 0; r < rows; ++r) {
+    const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + ob * kBlock) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      const uint8_t* p = w + ob * groups * kBlock * 16;
+      for (int64_t g = 0; g < groups; ++g, p += kBlock * 16) {
         const int64_t at = r * groups + g;
         const int16_t* q = xq.q.data() + at * kGroup;
         const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
         const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
         __m256i s[kBlock];  // eight partial sums of each output (|sum| <= 32 x 15 x 32767 < 2^24: exact as fp32)
         for (int64_t k = 0; k < kBlock; ++k) {
-          s[k] = _mm256_add_epi32(_mm256_madd_epi16(wl[k], xl), _mm256_madd_epi16(wh[k], xh));
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
+          const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);  // 0-15 | 16-31
+          // 16-bit weights: inputs 0-7 | 16-23 pair with xl, 8-15 | 24-31 with xh
+          s[k] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(nibbles, zero), xl),
+                                  _mm256_madd_epi16(_mm256_unpackhi_epi8(nibbles, zero), xh));
         }
+        const at::Half* ds = scales + 2 * g * out + ob * kBlock;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + out)));
         const __m256i sums = integer_dense::sum_lanes(s);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xq.dx[at])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.sx[at]), acc[r]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xq.dx[at])), acc);
+        acc = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.sx[at]), acc);
       }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256 v = bias != nullptr ? _mm256_add_ps(acc[r], _mm256_loadu_ps(bias + ob * kBlock)) : acc[r];
-      _mm256_storeu_ps(y + r * out + ob * kBlock, v);
+      _mm256_storeu_ps(y + r * out + ob * kBlock, bias != nullptr ? _mm256_add_ps(acc, b) : acc);
     }
   }
 #else
@@ -118,7 +115,7 @@ at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& by_output, c
                              const c10::optional<at::Tensor>& bias, int64_t threads) {
   check_inputs(x, by_output, scales, bias);
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup, out = scales.size(2);
-  const integer_dense::Call call = integer_dense::prepare(x, bias, out);
+  const integer_dense::Call call = integer_dense::prepare(x, bias, out, true);
   const uint8_t* w = by_output.data_ptr<uint8_t>();
   const at::Half* s = scales.data_ptr<at::Half>();
   float* y = call.y.data_ptr<float>();

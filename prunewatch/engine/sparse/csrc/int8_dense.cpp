@@ -11,8 +11,8 @@
 // bits only when it exceeds 2^24.
 //
 // The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g in
-// the rounded order (inputs 0-7, 16-23, 8-15, 24-31), so one 32-byte load widens into the two vectors that pair
-// with the rounded inputs, and a thread streams one contiguous run of bytes per block of 8 outputs.
+// the rounded order (inputs 0-7, 16-23, 8-15, 24-31), so its two 16-byte halves widen into the two vectors that
+// pair with the rounded inputs, and a thread streams one contiguous run of bytes per block of 8 outputs.
 //
 // Each output's value depends on its row's inputs only (no sum across rows or threads, one fixed order of groups),
 // so a row gets the same bits in a batch of any size and under any thread count, as batched decoding needs. A CPU
@@ -33,36 +33,33 @@ using integer_dense::RoundedRows;
 void blocks_into(const RoundedRows& xq, const int8_t* w, const float* ws, const float* bias, int64_t rows,
                  int64_t groups, int64_t out, int64_t b0, int64_t b1, float* y) {
 #if defined(__AVX2__)
-  std::vector<__m256> acc(rows);
+  // Row by row over a block: its weights (8 x in bytes) stay in L1 for the next row, and each weight is widened
+  // from memory where it is used, so the loop holds 8 sums, 2 inputs and a weight pair in 16 vector registers.
   for (int64_t ob = b0; ob < b1; ++ob) {
-    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-    const int8_t* p = w + ob * groups * kBlock * kGroup;
-    for (int64_t g = 0; g < groups; ++g, p += kBlock * kGroup) {
-      __m256i wl[kBlock], wh[kBlock];  // per output, 16-bit weights: rounded positions 0-15 (wl) and 16-31 (wh)
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kGroup * k));
-        wl[k] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
-        wh[k] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-      }
-      for (int64_t r = 0; r < rows; ++r) {
+    const __m256 scale = _mm256_loadu_ps(ws + ob * kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      const int8_t* p = w + ob * groups * kBlock * kGroup;
+      for (int64_t g = 0; g < groups; ++g, p += kBlock * kGroup) {
         const int64_t at = r * groups + g;
         const int16_t* q = xq.q.data() + at * kGroup;
         const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
         const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
         __m256i s[kBlock];  // eight partial sums of each output
         for (int64_t k = 0; k < kBlock; ++k) {
-          s[k] = _mm256_add_epi32(_mm256_madd_epi16(wl[k], xl), _mm256_madd_epi16(wh[k], xh));
+          // 16-bit weights: rounded positions 0-15 pair with xl, 16-31 with xh
+          const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kGroup * k)));
+          const __m256i wh =
+              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kGroup * k + 16)));
+          s[k] = _mm256_add_epi32(_mm256_madd_epi16(wl, xl), _mm256_madd_epi16(wh, xh));
         }
         const __m256i sums = integer_dense::sum_lanes(s);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(xq.dx[at]), acc[r]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(xq.dx[at]), acc);
       }
-    }
-    const __m256 scale = _mm256_loadu_ps(ws + ob * kBlock);
-    for (int64_t r = 0; r < rows; ++r) {
       // One fused multiply-add with the bias, written out so that no compiler contracts it differently
       _mm256_storeu_ps(y + r * out + ob * kBlock,
-                       bias != nullptr ? _mm256_fmadd_ps(acc[r], scale, _mm256_loadu_ps(bias + ob * kBlock))
-                                       : _mm256_mul_ps(acc[r], scale));
+                       bias != nullptr ? _mm256_fmadd_ps(acc, scale, _mm256_loadu_ps(bias + ob * kBlock))
+                                       : _mm256_mul_ps(acc, scale));
     }
   }
 #else
@@ -108,7 +105,7 @@ at::Tensor int8_dense_linear(const at::Tensor& x, const at::Tensor& by_output, c
                              const c10::optional<at::Tensor>& bias, int64_t threads) {
   check_inputs(x, by_output, weight_scale, bias);
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup, out = weight_scale.size(0);
-  const integer_dense::Call call = integer_dense::prepare(x, bias, out);
+  const integer_dense::Call call = integer_dense::prepare(x, bias, out, false);
   const int8_t* w = by_output.data_ptr<int8_t>();
   const float* ws = weight_scale.data_ptr<float>();
   float* y = call.y.data_ptr<float>();

@@ -35,34 +35,61 @@ constexpr float kLevels = 32767.0f;  // int16 inputs: -32767..32767
 // which int4's nibbles unpack; int8 weights are laid out in it too (quantize.pack_int8_by_output).
 inline int64_t position(int64_t j) { return (j % 16 < 8 ? 0 : 16) + (j < 16 ? 0 : 8) + j % 8; }
 
-// One row's group of 32 inputs rounded: q gets them in the rounded order, dx the scale, sx the exact sum.
+// One row's group of 32 inputs rounded: q gets them in the rounded order, dx the scale, and sx (where not null)
+// the exact sum, added in input order.
 inline void round_group(const float* v, int16_t* q, float* dx, float* sx) {
-  float amax = 0.0f, sum = 0.0f;
+#if defined(__AVX2__)
+  // The scalar arithmetic below, vectorized to the same bits: |v| has no rounding, the maximum is exact in any
+  // order, and cvtps rounds to nearest even like nearbyint under the default rounding mode.
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+               v3 = _mm256_loadu_ps(v + 24);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, magnitude), _mm256_and_ps(v1, magnitude)),
+                                 _mm256_max_ps(_mm256_and_ps(v2, magnitude), _mm256_and_ps(v3, magnitude)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? kLevels / amax : 0.0f);
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
+                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+  // packs gives inputs 0-3, 16-19, 4-7, 20-23 (and 8-11, 24-27, ...): 64-bit lanes 0, 2, 1, 3 restore the order.
+  // Values are within +-32767, so the saturating pack never saturates.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i2), 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16),
+                      _mm256_permute4x64_epi64(_mm256_packs_epi32(i1, i3), 0xD8));
+#else
+  float amax = 0.0f;
   for (int64_t j = 0; j < kGroup; ++j) {
     amax = std::max(amax, std::fabs(v[j]));
-    sum += v[j];
   }
   const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
   for (int64_t j = 0; j < kGroup; ++j) {
     q[j] = static_cast<int16_t>(std::nearbyint(v[position(j)] * inv));
   }
+#endif
   *dx = amax / kLevels;
-  *sx = sum;
+  if (sx != nullptr) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      sum += v[j];
+    }
+    *sx = sum;
+  }
 }
 
 struct RoundedRows {
   std::vector<int16_t> q;  // (rows, groups, 32)
-  std::vector<float> dx, sx;  // (rows, groups)
+  std::vector<float> dx, sx;  // (rows, groups); sx empty where the product needs no input sums
 };
 
-inline RoundedRows round_rows(const float* x, int64_t rows, int64_t in) {
+inline RoundedRows round_rows(const float* x, int64_t rows, int64_t in, bool sums) {
   const int64_t groups = in / kGroup;
   RoundedRows out{std::vector<int16_t>(rows * groups * kGroup), std::vector<float>(rows * groups),
-                  std::vector<float>(rows * groups)};
+                  std::vector<float>(sums ? rows * groups : 0)};
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = r * groups + g;
-      round_group(x + r * in + g * kGroup, out.q.data() + at * kGroup, &out.dx[at], &out.sx[at]);
+      round_group(x + r * in + g * kGroup, out.q.data() + at * kGroup, &out.dx[at], sums ? &out.sx[at] : nullptr);
     }
   }
   return out;
@@ -111,11 +138,12 @@ inline void check_by_output(const char* name, const at::Tensor& by_output, at::S
               "), got ", by_output.scalar_type(), " ", by_output.sizes(), " for in = ", in, ", out = ", out);
 }
 
-inline Call prepare(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t out) {
+// `sums`: whether the product needs each group's input sum (int4's minimums multiply it).
+inline Call prepare(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t out, bool sums) {
   keep_thread_count();
   Call call;
   call.xf = x.to(at::kFloat).contiguous();
-  call.xq = round_rows(call.xf.data_ptr<float>(), x.size(0), x.size(1));
+  call.xq = round_rows(call.xf.data_ptr<float>(), x.size(0), x.size(1), sums);
   call.bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   call.bias = bias.has_value() ? call.bias_f.data_ptr<float>() : nullptr;
   call.y = at::empty({x.size(0), out}, call.xf.options());
