@@ -42,15 +42,17 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> t
     return (dots * (amax / 32767) * step[None]).sum(dim=1) + (xg.sum(dim=-1)[:, :, None] * minimum[None]).sum(dim=1)
 
 
-def test_the_by_output_layout_holds_each_outputs_q4_1_blocks():
+def test_the_by_output_layout_pairs_each_byte_with_the_rounded_inputs():
     packed, _, by_output = _layer(64, 96, seed=1)
     runs = packed.reshape(64, 3, 16)
     q = torch.stack((runs & 0xF, runs >> 4), dim=2).reshape(64, 96)  # the sparse kernel's layout, read back
     assert by_output.shape == (12, 2, 8, 16) and by_output.dtype == torch.uint8
+    low_inputs = [*range(0, 8), *range(16, 24)]  # the rounded inputs' positions 0-15 (csrc/integer_dense.h)
+    high_inputs = [*range(8, 16), *range(24, 32)]  # and 16-31
     for o, g in ((0, 0), (13, 1), (95, 1), (40, 0)):
         block = by_output[o // 8, g, o % 8]
-        assert torch.equal(block & 0xF, q[32 * g:32 * g + 16, o])  # byte j: input j
-        assert torch.equal(block >> 4, q[32 * g + 16:32 * g + 32, o])  # and input j + 16
+        assert torch.equal(block & 0xF, q[[32 * g + i for i in low_inputs], o])
+        assert torch.equal(block >> 4, q[[32 * g + i for i in high_inputs], o])
     with pytest.raises(ValueError, match="uint8"):
         pack_int4_by_output(packed[:48].contiguous())
 

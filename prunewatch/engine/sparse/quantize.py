@@ -125,16 +125,18 @@ def _int4_codes(packed: torch.Tensor) -> torch.Tensor:
 
 def pack_int4_by_output(packed: torch.Tensor) -> torch.Tensor:
     """The same int4 weights laid out by output for the dense decode product (csrc/int4_dense.cpp):
-    uint8 (out / 8, in / 32, 8, 16), where [ob, g, k] holds the 32 weights of output 8 * ob + k in group g as
-    GGUF's Q4_1 packs a block (byte j: input j in the low nibble, input j + 16 in the high one). A block of 8
-    outputs is one contiguous run per group, read in order."""
+    uint8 (out / 8, in / 32, 8, 16), where [ob, g, k] holds the 32 weights of output 8 * ob + k in group g, byte j
+    holding the input at position j of the rounded order (_rounded_order: inputs 0-7, then 16-23) in its low
+    nibble and the one at position j + 16 (inputs 8-15, then 24-31) in its high one. Widened to 16 bits, the low
+    nibbles then pair with the first 16 rounded inputs and the high ones with the last 16. A block of 8 outputs is
+    one contiguous run per group, read in order."""
     rows, half = packed.shape
     out = half * 2
     if packed.dtype != torch.uint8 or not int4_fits(rows, out):
         raise ValueError(f"packed must be quantize_int4's uint8 (in, out / 2) bytes, got {tuple(packed.shape)} "
                          f"{packed.dtype}")
-    q = _int4_codes(packed).t().reshape(out, rows // INT4_GROUP, 2, INT4_GROUP // 2)
-    by_output = q[:, :, 0, :] | (q[:, :, 1, :] << 4)  # (out, groups, 16)
+    q = _int4_codes(packed).t().reshape(out, rows // INT4_GROUP, INT4_GROUP)[:, :, _rounded_order()]
+    by_output = q[:, :, :INT4_GROUP // 2] | (q[:, :, INT4_GROUP // 2:] << 4)  # (out, groups, 16)
     return by_output.reshape(out // INT4_OUTPUT_BLOCK, INT4_OUTPUT_BLOCK, rows // INT4_GROUP, INT4_GROUP // 2).permute(
         0, 2, 1, 3).contiguous()
 

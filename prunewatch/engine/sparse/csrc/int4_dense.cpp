@@ -10,9 +10,11 @@
 //   y[o] = sum over g of d[g, o] * dx[g] * sum_i q[i, o] * xq[i] + m[g, o] * sum_i x[i].
 // Why int16 inputs: integer_dense.h.
 //
-// The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g as
-// GGUF's Q4_1 packs them (byte j: input j in the low nibble, input j + 16 in the high one), so a thread streams one
-// contiguous run of bytes per block of 8 outputs, which the hardware prefetcher follows. The 8 outputs' partial
+// The weights are laid out by output: by_output[ob, g, k, :] holds output 8 * ob + k's 32 weights of group g, byte j
+// holding the weight of the rounded inputs' position j in its low nibble and of position j + 16 in its high one
+// (quantize.pack_int4_by_output), so one widening to 16 bits, a mask and a shift give the two vectors that pair
+// with the rounded inputs; a thread streams one contiguous run of bytes per block of 8 outputs, which the hardware
+// prefetcher follows. The 8 outputs' partial
 // sums are reduced across vector lanes together and kept as one vector per row over all groups.
 //
 // Each output's value depends on its row's inputs only (no sum across rows or threads, one fixed order of groups),
@@ -34,8 +36,7 @@ using integer_dense::RoundedRows;
 void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales, const float* bias, int64_t rows,
                  int64_t groups, int64_t out, int64_t b0, int64_t b1, float* y) {
 #if defined(__AVX2__)
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i zero = _mm256_setzero_si256();
+  const __m256i low = _mm256_set1_epi16(0x0F);
   // Row by row over a block: its weights (8 x in / 2 bytes) stay in L1 for the next row, and each output's
   // nibbles are unpacked where they are used, so the loop holds 8 sums, 2 inputs and a weight pair in 16 vector
   // registers.
@@ -51,11 +52,11 @@ void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales
         const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
         __m256i s[kBlock];  // eight partial sums of each output (|sum| <= 32 x 15 x 32767 < 2^24: exact as fp32)
         for (int64_t k = 0; k < kBlock; ++k) {
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
-          const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);  // 0-15 | 16-31
-          // 16-bit weights: inputs 0-7 | 16-23 pair with xl, 8-15 | 24-31 with xh
-          s[k] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(nibbles, zero), xl),
-                                  _mm256_madd_epi16(_mm256_unpackhi_epi8(nibbles, zero), xh));
+          // 16 bytes widened to 16 bits: the low nibbles are the weights of rounded positions 0-15 (pair with xl),
+          // the high ones of positions 16-31 (xh)
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k)));
+          s[k] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, low), xl),
+                                  _mm256_madd_epi16(_mm256_srli_epi16(v, 4), xh));
         }
         const at::Half* ds = scales + 2 * g * out + ob * kBlock;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds)));
@@ -79,7 +80,7 @@ void blocks_into(const RoundedRows& xq, const uint8_t* w, const at::Half* scales
           const int16_t* q = xq.q.data() + at * kGroup;
           int32_t sum = 0;
           for (int64_t j = 0; j < 16; ++j) {
-            sum += (p[j] & 0xF) * q[integer_dense::position(j)] + (p[j] >> 4) * q[integer_dense::position(j + 16)];
+            sum += (p[j] & 0xF) * q[j] + (p[j] >> 4) * q[j + 16];
           }
           const float d = static_cast<float>(scales[2 * g * out + o]);
           const float m = static_cast<float>(scales[(2 * g + 1) * out + o]);
