@@ -24,14 +24,15 @@ decode ratio 0.076, kept 0.977 [0.971, 0.982] where TEAL's uniform thresholds ke
 0.078. With the output-head shortlist (DEFAULT_OUTPUT_HEAD_SPARSITY) the engine default measured decode ratio
 0.187 at 0.977 [0.971, 0.982]."""
 
-QUANTIZED_SPARSE_FROM = 0.6
+QUANTIZED_SPARSE_FROM = 0.8
 """The layer sparsity from which int8 and int4 layers read only their active rows. On SmolLM2-135M's four layer
-shapes, one token, two threads (bench/results/weight-kernels-cpu.json, break_even), the sparse kernel caught up with
-the dense integer product at 0.47-0.79 sparsity for int8 (576 x 192: not by 0.85) and 0.61-0.65 for int4 (the
-attention shapes: not by 0.85); weighted by the layers' multiply-adds, at least 0.57 (int8) and 0.68 (int4),
-counting a shape not caught up by 0.85 at 0.85. The break-evens move by up to 0.1 between runs (the run committed
-with 7ec40cb had 0.43-0.79 and 0.52-0.80). Near them a skipped row saves no time and still costs quality; the default sits between
-the two formats."""
+shapes, one token, two threads (`prunewatch bench kernels`, break_even), the sparse kernel caught up with the dense
+integer products on no shape by 0.85 sparsity in the committed run (bench/results/weight-kernels-cpu.json), and in
+the run before it (77146ba) at 0.83 for int8 on 576 x 1536 and at 0.67 (576 x 1536) and 0.72 (1536 x 576) for
+int4, nowhere else by 0.85: weighted by the layers' multiply-adds, at least 0.84 (int8) and 0.73 (int4), counting
+a shape not caught up by 0.85 at 0.85. Before the dense products read their weights row by row (the run committed
+with 3312c37) they were 0.47-0.79 and 0.61-0.65; the break-evens move by up to 0.1 between runs. Near them a
+skipped row saves no time and still costs quality; the default sits between the two formats."""
 
 DEFAULT_OUTPUT_HEAD_SPARSITY = 0.6
 """Output-head input sparsity (prunewatch/engine/sparse/output_head.py) with a 1024-logit exact shortlist: on

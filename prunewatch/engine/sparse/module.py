@@ -15,11 +15,11 @@ quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prune
 the active quantized rows and their scales through the kernel (int4: the scales and minimums of every group,
 counted in full per call), and only from the sparsity where that pays (SparsityOptions.quantized_sparse_from). A
 dense call with few rows multiplies a second copy of the weights laid out by output as the integers they are, on
-inputs rounded to int16 per group of 32 (csrc/int4_dense.cpp, csrc/int8_dense.cpp: 1.6-1.9x the speed of the
-kernel widening each weight to fp32 in bench/results/weight-kernels-cpu.json); an int8 layer whose sizes are not
-whole groups reads every row through the kernel instead. The wrapped layer keeps the dequantized weights in fp32
-for calls with many rows (a prefill, where a BLAS product is faster than converting quantized weights row by row)
-and for head-gated slices: every path multiplies by the same weights, so the model is the quantized model
+inputs rounded to int16 per group of 32 (csrc/int4_dense.cpp, csrc/int8_dense.cpp: 2.7-4.2x (int8) and 2.3-3.9x
+(int4) the speed of the kernel widening each weight to fp32 in bench/results/weight-kernels-cpu.json); an int8 layer
+whose sizes are not whole groups reads every row through the kernel instead. The wrapped layer keeps the
+dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is faster than converting
+quantized weights row by row) and for head-gated slices: every path multiplies by the same weights, so the model is the quantized model
 throughout, at 1.5x (int8) or about 1.28x (int4) the bytes of its fp32 weights, as computed from the layouts.
 """
 
