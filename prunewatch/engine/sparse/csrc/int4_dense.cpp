@@ -14,8 +14,8 @@
 // holding the weight of the rounded inputs' position j in its low nibble and of position j + 16 in its high one
 // (quantize.pack_int4_by_output), so one widening to 16 bits, a mask and a shift give the two vectors that pair
 // with the rounded inputs; a thread streams one contiguous run of bytes per block of 8 outputs, which the hardware
-// prefetcher follows. The 8 outputs' partial
-// sums are reduced across vector lanes together and kept as one vector per row over all groups.
+// prefetcher follows. The 8 outputs' partial sums are reduced across vector lanes together and kept as one vector
+// per row over all groups.
 //
 // Each output's value depends on its row's inputs only (no sum across rows or threads, one fixed order of groups),
 // so a row gets the same bits in a batch of any size and under any thread count, as batched decoding needs. A CPU

@@ -31,8 +31,9 @@ namespace integer_dense {
 constexpr int64_t kGroup = 32;  // inputs per input scale
 constexpr float kLevels = 32767.0f;  // int16 inputs: -32767..32767
 
-// Input of the rounded order at position j: 0-7, 16-23, then 8-15, 24-31 (a 128-bit lane each), the order in
-// which int4's nibbles unpack; int8 weights are laid out in it too (quantize.pack_int8_by_output).
+// Input of the rounded order at position j: 0-7, 16-23, then 8-15, 24-31 (a 128-bit lane each), the order the
+// vectorized rounding packs its int16 values in; the int8 and int4 weights laid out by output follow it
+// (quantize.pack_int8_by_output, quantize.pack_int4_by_output).
 inline int64_t position(int64_t j) { return (j % 16 < 8 ? 0 : 16) + (j < 16 ? 0 : 8) + j % 8; }
 
 // One row's group of 32 inputs rounded: q gets them in the rounded order, dx the scale, and sx (where not null)
