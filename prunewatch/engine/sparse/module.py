@@ -19,8 +19,9 @@ inputs rounded to int16 per group of 32 (csrc/int4_dense.cpp, csrc/int8_dense.cp
 (int4) the speed of the kernel widening each weight to fp32 in bench/results/weight-kernels-cpu.json); an int8 layer
 whose sizes are not whole groups reads every row through the kernel instead. The wrapped layer keeps the
 dequantized weights in fp32 for calls with many rows (a prefill, where a BLAS product is faster than converting
-quantized weights row by row) and for head-gated slices: every path multiplies by the same weights, so the model is the quantized model
-throughout, at 1.5x (int8) or about 1.28x (int4) the bytes of its fp32 weights, as computed from the layouts.
+quantized weights row by row) and for head-gated slices: every path multiplies by the same weights, so the model is
+the quantized model throughout, at 1.5x (int8) or about 1.28x (int4) the bytes of its fp32 weights, as computed
+from the layouts.
 """
 
 from __future__ import annotations
