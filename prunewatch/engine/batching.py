@@ -9,12 +9,14 @@ forward passes move to one stepper thread, which holds the cores:
   due (it waits up to `gather_s` for the requests still detokenizing their last one), at most `max_batch` rows;
   a request joins at the step after its prefill and leaves when its generator closes (end, stop, cancellation).
 
-Each request keeps its own DynamicCache: a batched step calls the model without a cache and the attention
-function registered here (`RAGGED_ATTENTION`) appends each row's key and value to that row's cache and attends
-over it alone, as the request would alone (no padding, no mask; on the CPU one compiled operator per layer
-makes the same calls for every row, prunewatch/engine/sparse/csrc/ragged_attention.cpp). Under
-`ExecutionPlan.row_invariant` the dense products of few rows run through the sparse kernel, whose per-row sums do
-not depend on the other rows, so a dense request decodes the same tokens alone or in any batch.
+Each request keeps its own cache, reserved for its whole length (prompt plus max new tokens,
+prunewatch.engine.kv_cache): a batched step calls the model without a cache and the attention function registered
+here (`RAGGED_ATTENTION`) writes each row's key and value into that row's cache, in place, and attends over it
+alone, as the request would alone (no padding, no mask; on the CPU one compiled operator per layer for every row,
+prunewatch/engine/sparse/csrc/ragged_attention.cpp, whose per-row sums do not depend on the other rows; eager
+decoding in process runs its steps the same way, `ragged_decode_step`). Under `ExecutionPlan.row_invariant` the
+dense products of few rows run through the sparse kernel, whose per-row sums do not depend on the other rows
+either, so a dense request decodes the same tokens alone, in any batch, or in process.
 
 A batch runs one plan, the members' common denominator (`batch_plan`): requests whose plans differ in what
 changes the KV cache's shape or content (bypassed blocks, gated heads, sparsity policy, family factors) never
@@ -25,11 +27,10 @@ sparsity s read b x (1 - s) of the head). The batch's counted work is split amon
 row is one token; a shared weight read is paid 1/b by each), so the members' counts add up to what the step
 executed.
 
-Memory: the per-request caches grow with each token, so the batcher holds a KV budget (`kv_budget_bytes`). A
-request reserves, when it joins, what its cache can reach (prompt plus max new tokens, every layer's key and
-value) and gives it back when it leaves; one that does not fit waits until enough is given back, so admitted
-requests never hold more cache than the budget. One that alone needs more than the whole budget fails at once
-(KVBudgetError).
+Memory: the batcher holds a KV budget (`kv_budget_bytes`). A request reserves, when it joins, what its cache can
+reach (prompt plus max new tokens, every layer's key and value: the size of the buffers it holds) and gives it back
+when it leaves; one that does not fit waits until enough is given back, so admitted requests never hold more cache
+than the budget. One that alone needs more than the whole budget fails at once (KVBudgetError).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch
 
 from prunewatch.engine.errors import KVBudgetError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
+from prunewatch.engine.kv_cache import ReservedLayer
 from prunewatch.engine.threads import start_generation_thread
 
 logger = logging.getLogger("prunewatch.engine")
@@ -68,10 +70,15 @@ class BatcherClosedError(RuntimeError):
 
 @dataclass
 class RaggedStep:
-    """The per-row caches of one batched decode step, handed to the attention function through the model's
-    keyword arguments (transformers passes them down to every attention call)."""
+    """The per-row caches of one decode step, read by the attention function from `_CURRENT_STEP` (a context
+    variable, not a keyword argument: some families' decoder layers do not pass extra arguments on to attention)."""
 
-    caches: list[Any]  # one transformers DynamicCache per row
+    caches: list[Any]  # one transformers cache per row (prunewatch.engine.kv_cache.reserved_cache)
+    calls: int = 0  # attention calls that served this step
+
+
+_CURRENT_STEP: contextvars.ContextVar[RaggedStep | None] = contextvars.ContextVar("prunewatch_ragged_step",
+                                                                                  default=None)
 
 
 def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -81,26 +88,29 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     into its own cache and the row attends over that cache alone, exactly as a batch of one would."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    ragged_step = ragged_step or _CURRENT_STEP.get()
     if ragged_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    ragged_step.calls += 1
     layer: int = module.layer_idx  # type: ignore[assignment]  # every attention module of transformers 5 has it
-    # A plain decode row (one query, no mask, no extra terms) goes to torch's SDPA directly, the key/value heads
-    # shared by enable_gqa, as transformers' own function does for it, less its per-call checks and the copy that
-    # makes each row's output contiguous: the same sums (bitwise), at half the time per row and layer.
+    # A plain decode row: one query, no mask, no extra terms (what transformers' own function does for it is
+    # softmax(q k^T * scaling) v, the key/value heads shared among the query heads).
     plain = (query.shape[2] == 1 and not module.training
              and all(kwargs.get(name) is None for name in _UNPLAIN_ATTENTION_KWARGS))
-    grouped = query.shape[1] != key.shape[1]
     scaling = kwargs.get("scaling")
-    if plain and query.device.type == "cpu" and len(ragged_step.caches) > 1:  # one row: the loop is as fast
-        cache_layers = _appendable_layers(ragged_step.caches, layer)
+    if plain and query.device.type == "cpu" and query.dtype == torch.float32:
+        cache_layers = _reserved_layers(ragged_step.caches, layer)
         operator = _ragged_operator() if cache_layers is not None else None
         if cache_layers is not None and operator is not None:
-            # The same concatenations and SDPA calls as the loop below, per row, from C++ (csrc/ragged_attention.cpp)
-            output, keys, values = operator(query, key, value, [c.keys for c in cache_layers],
-                                            [c.values for c in cache_layers], scaling, grouped)
-            for cache_layer, row_keys, row_values in zip(cache_layers, keys, values, strict=True):
-                cache_layer.keys, cache_layer.values = row_keys, row_values
+            # Every row, one row alone included, writes in place and attends in csrc/ragged_attention.cpp: a row's
+            # sums there do not depend on the step's other rows, so alone and batched decode the same tokens.
+            output = operator(query, key, value, [c.key_buffer for c in cache_layers],
+                              [c.value_buffer for c in cache_layers], [c.length for c in cache_layers],
+                              query.shape[-1] ** -0.5 if scaling is None else scaling, torch.get_num_threads())
+            for cache_layer in cache_layers:
+                cache_layer.advance()
             return output, None
+    grouped = query.shape[1] != key.shape[1]
     outputs = []
     for row, cache in enumerate(ragged_step.caches):
         row_key, row_value = cache.update(key[row:row + 1], value[row:row + 1], layer)
@@ -113,19 +123,18 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
 
 
-def _appendable_layers(caches: list[Any], layer: int) -> list[Any] | None:
-    """Each row's cache layer `layer` when every one is a plain, filled transformers DynamicLayer (whose update is
-    one concatenation of keys and of values, which the compiled operator does in its place), else None."""
-    from transformers.cache_utils import DynamicLayer
-
+def _reserved_layers(caches: list[Any], layer: int) -> list[ReservedLayer] | None:
+    """Each row's cache layer `layer` when every one is a filled ReservedLayer with room for one more position
+    (reserved_cache makes them so; the operator writes in place), else None."""
     found = []
     for cache in caches:
         layers = getattr(cache, "layers", None)
-        if getattr(cache, "offloading", True) or layers is None or len(layers) <= layer:
+        if layers is None or len(layers) <= layer:
             return None
         cache_layer = layers[layer]
-        if type(cache_layer) is not DynamicLayer or not cache_layer.is_initialized:
+        if type(cache_layer) is not ReservedLayer or not cache_layer.is_initialized:
             return None
+        cache_layer.reserve(cache_layer.length + 1)
         found.append(cache_layer)
     return found
 
@@ -135,19 +144,44 @@ _operator: Any = _OPERATOR_UNRESOLVED
 
 
 def _ragged_operator() -> Callable[..., Any] | None:
-    """`prunewatch::ragged_decode_attention`, built with the sparse kernel; None where that cannot be built, and
-    batched steps attend row by row in Python instead (the same results, slower)."""
+    """csrc/ragged_attention.cpp's `reserved_decode_attention`, built with the sparse kernel; None where that cannot
+    be built, and decode steps attend row by row with torch's SDPA instead (the same arithmetic up to rounding,
+    slower)."""
     global _operator
     if _operator is _OPERATOR_UNRESOLVED:
         from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, build
 
         try:
-            build()
-            _operator = torch.ops.prunewatch.ragged_decode_attention
+            _operator = build().reserved_decode_attention
         except SparseKernelUnavailableError as exc:
-            logger.info("batched decode steps attend row by row in Python: %s", exc)
+            logger.info("decode steps attend row by row with torch's SDPA: %s", exc)
             _operator = None
     return _operator
+
+
+def ragged_decode_step(model: Any, tokens: list[int], positions: list[int], caches: list[Any]) -> torch.Tensor:
+    """One decode step of `len(tokens)` rows, row b at `positions[b]` over its own cache `caches[b]` (the model's
+    attention must be RAGGED_ATTENTION: install_ragged_attention); returns the logits (rows, vocab). The batcher's
+    steps and an eager decode in process both run this, so a request gets the same sums either way."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[token] for token in tokens], device=device)  # (B, 1)
+    position_ids = torch.tensor([[position] for position in positions], device=device)  # (B, 1)
+    no_mask = torch.ones((len(tokens), 1, 1, 1), dtype=torch.bool, device=device)  # 4D: taken as prepared
+    step = RaggedStep(caches)
+    reset = _CURRENT_STEP.set(step)
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, use_cache=False,
+                    logits_to_keep=1)
+    finally:
+        _CURRENT_STEP.reset(reset)
+    # Every layer that holds a cache must have attended through ragged_attention; one that did not attended over
+    # its new position alone, and its logits are wrong: fail rather than serve them.
+    expected = sum(1 for layer in getattr(caches[0], "layers", ()) if layer.is_initialized)
+    if step.calls != expected:
+        raise RuntimeError(f"{expected} attention layers hold this request's cache but {step.calls} attended through "
+                           f"the ragged attention: this model's attention does not use transformers' attention "
+                           f"interface, so it cannot decode with per-request caches")
+    return out.logits[:, -1]
 
 
 def install_ragged_attention(model: torch.nn.Module) -> None:
@@ -156,9 +190,11 @@ def install_ragged_attention(model: torch.nn.Module) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    config: Any = model.config
+    if config._attn_implementation == RAGGED_ATTENTION:
+        return
     AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
     AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
-    config: Any = model.config
     config._attn_implementation = RAGGED_ATTENTION
 
 
@@ -478,16 +514,11 @@ class DecodeBatcher:
         started = time.perf_counter()
         try:
             plan = batch_plan([r.sequence.plan for r in rows], self.instrumented.num_layers, self.sparse_rows)
-            device = next(model.parameters()).device
-            input_ids = torch.tensor([[r.token] for r in rows], device=device)  # (B, 1)
-            positions = torch.tensor([[r.position] for r in rows], device=device)  # (B, 1)
-            no_mask = torch.ones((len(rows), 1, 1, 1), dtype=torch.bool, device=device)  # 4D: taken as prepared
             total = ExecutionLedger()
             with executing(plan, total):
-                out = model(input_ids=input_ids, position_ids=positions, attention_mask=no_mask, use_cache=False,
-                            logits_to_keep=1, ragged_step=RaggedStep([r.sequence.cache for r in rows]))
+                logits = ragged_decode_step(model, [r.token for r in rows], [r.position for r in rows],
+                                            [r.sequence.cache for r in rows])
             split_ledger(total, [r.sequence.ledger for r in rows])
-            logits = out.logits[:, -1]  # (B, V)
             for index, row in enumerate(rows):
                 row.logits = logits[index]
         except BaseException as exc:  # every row of the step fails with it

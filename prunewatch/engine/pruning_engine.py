@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
@@ -28,6 +29,7 @@ from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing, instrument
 from prunewatch.engine.hardware import PeakMemory, device_name, estimate_dram_bytes_per_instruction
 from prunewatch.engine.heads import HeadGating, install_head_gating
+from prunewatch.engine.kv_cache import reserved_cache
 from prunewatch.engine.loading import LoadedModel, load_model
 from prunewatch.engine.logprobs import MAX_TOP_LOGPROBS, Scored, TokenLogprob, TokenTexts, score_positions
 from prunewatch.engine.paths import calibration_cache
@@ -357,11 +359,20 @@ class PruningEngine:
         model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
         device = self.loaded.device
         ids = torch.tensor([prompt_ids], device=device)  # (1, T)
-        cache = DynamicCache(config=model.config) if use_cache else None
         executed_blocks = self._kv_layers_read(plan)
         step = self.compiled_decode(compiled) if use_cache else None
         if step is not None and not step.supports(plan):
             step = None
+        # Eager on the CPU, decode steps run as the batcher's do (prunewatch.engine.batching.ragged_decode_step, over
+        # a cache reserved for the whole request): a request gets the same sums in process as through `serve`.
+        ragged = use_cache and step is None and device.type == "cpu"
+        if ragged:
+            from prunewatch.engine.batching import install_ragged_attention, ragged_decode_step
+
+            install_ragged_attention(model)
+            cache: Any = reserved_cache(model.config, len(prompt_ids) + max(1, max_new_tokens))
+        else:
+            cache = DynamicCache(config=model.config) if use_cache else None
         if step is None:
             plan = self.eager_step_plan(plan)
         score_prompt = score_prompt and logprobs is not None
@@ -379,6 +390,9 @@ class PruningEngine:
                         out = step.step(plan, ledger, input_ids=step_ids, cache=cache, use_cache=True,
                                         position_ids=positions, logits_to_keep=1)
                         step = step if out is not None else None  # it failed to compile: eager from now on
+                    if out is None and ragged and step_index > 0:
+                        out = SimpleNamespace(logits=ragged_decode_step(model, [int(step_ids[0, 0])], [position],
+                                                                        [cache])[:, None])
                     if out is None:
                         out = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
                                     logits_to_keep=keep)
@@ -416,11 +430,10 @@ class PruningEngine:
                         score_prompt: bool) -> Iterator[int] | Iterator[Scored]:
         """`_decode` through the batcher: the prefill in chunks on its stepper (in one piece when every prompt row's
         logits are kept), then each decode step shared with the other requests due at the same time."""
-        from transformers import DynamicCache
-
         model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
         device = self.loaded.device
-        cache = DynamicCache(config=model.config)
+        # Buffers of the request's whole length, the positions its KV reservation counts (prunewatch.engine.kv_cache)
+        cache = reserved_cache(model.config, len(prompt_ids) + max(1, max_new_tokens))
         executed_blocks = self._kv_layers_read(plan)
         score_prompt = score_prompt and logprobs is not None
         if score_prompt and plan.output_head_sparsity > 0.0:  # every prompt row as the last one is computed

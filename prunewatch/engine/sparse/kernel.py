@@ -37,9 +37,10 @@ def _csrc(name: str) -> Path:
 SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_dense.cpp", "int8_dense.cpp",
                                          "ragged_attention.cpp"))
 """The extension's sources, built together as one module: the sparse linear kernel, the dense decode products of
-int4 and int8 weights laid out by output (csrc/int4_dense.cpp, csrc/int8_dense.cpp), and the attention of a batched
-decode step (csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
-HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "int8_dense.h", "integer_dense.h", "thread_count.h"))
+int4 and int8 weights laid out by output (csrc/int4_dense.cpp, csrc/int8_dense.cpp), and the attention of a decode
+step over reserved caches (csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
+HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "int8_dense.h", "integer_dense.h", "ragged_attention.h",
+                                         "thread_count.h"))
 """Headers the sources include: part of the build's digest, so that changing one rebuilds the module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""

@@ -48,6 +48,7 @@
 
 #include "int4_dense.h"
 #include "int8_dense.h"
+#include "ragged_attention.h"
 #include "thread_count.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -731,4 +732,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ int8 weights (laid out by output) + bias, x rounded to int16 per group of 32 inputs",
         pybind11::arg("x"), pybind11::arg("by_output"), pybind11::arg("weight_scale"), pybind11::arg("bias"),
         pybind11::arg("threads"));
+  m.def("reserved_decode_attention", &prunewatch::reserved_decode_attention,
+        "one decode step's attention: each row's key and value written in place in its reserved cache, then the "
+        "row attending over its filled positions alone",
+        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("key_caches"),
+        pybind11::arg("value_caches"), pybind11::arg("lengths"), pybind11::arg("scale"), pybind11::arg("threads"));
 }
