@@ -88,7 +88,8 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     into its own cache and the row attends over that cache alone, exactly as a batch of one would."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    ragged_step = ragged_step or _CURRENT_STEP.get()
+    if ragged_step is None and not torch.compiler.is_compiling():  # a compiled graph is never a ragged step
+        ragged_step = _CURRENT_STEP.get()
     if ragged_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     ragged_step.calls += 1
