@@ -17,19 +17,6 @@ from tests.support.servers import postgres_available, postgres_server
 os.environ.setdefault(CACHE_ENV, str(cache_dir().parents[1]))
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `long` first, longest first, the others after them in collection order (a stable sort). Started
-    last, a test of several minutes left one worker running it alone at the end of a parallel run; first, the
-    workers take one long test each and share the short ones around them."""
-
-    def seconds(item: pytest.Item) -> float:
-        marker = item.get_closest_marker("long")
-        return 0.0 if marker is None else float(marker.kwargs.get("seconds", 60))
-
-    items.sort(key=seconds, reverse=True)
-
 PROBE_MODEL_DIR = REPO_ROOT / "prunewatch" / "engine" / "models" / "probe-llama"
 
 

@@ -33,7 +33,6 @@ def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedP
 
 @pytest.mark.integration
 @pytest.mark.timeout(1200)  # a fresh calibration and operating range on a shared 2-core host
-@pytest.mark.long(seconds=300)
 def test_two_rounds_store_every_probe_and_serve_metrics(tmp_path, probe_model_dir):
     db = tmp_path / "run.db"
     port = free_port()
@@ -320,7 +319,6 @@ def _open_round(db: Path) -> tuple[str, int] | None:
 
 
 @pytest.mark.integration
-@pytest.mark.long(seconds=100)
 def test_run_killed_mid_round_is_closed_as_aborted_at_the_next_start(tmp_path, probe_model_dir, calibration_dir,
                                                                     collected_sqlite):
     """kill -9 in the middle of a round; the next `prunewatch run` closes it as aborted with what it stored."""

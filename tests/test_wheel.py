@@ -127,7 +127,6 @@ def test_a_collector_only_install_probes_an_http_target_without_torch(wheel: Pat
     assert rows == [("ok", "plain")] * 6
 
 
-@pytest.mark.long(seconds=200)
 def test_the_engine_install_runs_the_main_job_on_the_bundled_model(wheel: Path, tmp_path: Path, calibration_dir: Path,
                                                                    collected_sqlite: str) -> None:
     bin_dir = _venv(tmp_path / "venv")

@@ -75,7 +75,6 @@ def test_load_bench_drives_serve_dense_and_default_at_each_level(probe_model_dir
     assert table.count("| default | 2 |") == 2  # the load table and the stepper's
 
 
-@pytest.mark.long(seconds=85)
 def test_load_bench_puts_llama_server_with_n_slots_beside_each_level(probe_model_dir, calibration_dir, tmp_path):
     gguf = tmp_path / "probe.F32.gguf"  # already F32: loaded as it is, no llama-quantize run and nothing cached
     gguf.write_bytes(b"GGUF" + b"\0" * 60)  # the stand-in llama-server never reads it

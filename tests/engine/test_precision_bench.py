@@ -10,7 +10,6 @@ from prunewatch.bench import llama_cpp, precision, weight_kernels
 from tests.support.llama_cpp_fake import fake_llama_cpp, probe_model_with_gguf
 
 
-@pytest.mark.long(seconds=50)
 def test_precision_bench_reports_every_configuration_with_its_interval(probe_model_dir, calibration_dir, tmp_path):
     out, plot = tmp_path / "precision.json", tmp_path / "precision.png"
     code = precision.main(["--model-dir", str(probe_model_dir), "--tokens", "4", "--rounds", "2", "--probes", "3",
