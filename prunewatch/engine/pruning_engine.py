@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
@@ -385,31 +384,31 @@ class PruningEngine:
                 keep = 0 if score_prompt and step_index == 0 else 1  # 0: every row (transformers' logits_to_keep)
                 if use_cache:
                     positions = torch.arange(position, position + step_ids.shape[1], device=device)[None]
-                    out = None
+                    logits = None  # (1, rows kept, V)
                     if step is not None and step_ids.shape[1] == 1:
                         out = step.step(plan, ledger, input_ids=step_ids, cache=cache, use_cache=True,
                                         position_ids=positions, logits_to_keep=1)
                         step = step if out is not None else None  # it failed to compile: eager from now on
-                    if out is None and ragged and step_index > 0:
-                        out = SimpleNamespace(logits=ragged_decode_step(model, [int(step_ids[0, 0])], [position],
-                                                                        [cache])[:, None])
-                    if out is None:
-                        out = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
-                                    logits_to_keep=keep)
+                        logits = None if out is None else out.logits
+                    if logits is None and ragged and step_index > 0:
+                        logits = ragged_decode_step(model, [int(step_ids[0, 0])], [position], [cache])[:, None]
+                    if logits is None:
+                        logits = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
+                                       logits_to_keep=keep).logits
                     position += step_ids.shape[1]
                     context = position
                 else:
-                    out = model(input_ids=ids, use_cache=False, logits_to_keep=keep)
+                    logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
                     context = ids.shape[1]
                 ledger.kv_bytes_read += int(executed_blocks * context * self._kv_bytes_per_token_per_layer)
                 if ledger.prefill_dense_flops is None:
                     ledger.end_prefill()
                 if keep == 0:  # the echoed prompt: row t predicts token t + 1, nothing predicts the first
                     yield Scored(prompt_ids[0], None, in_prompt=True)
-                    yield from score_positions(out.logits[0, :-1], prompt_ids[1:], logprobs or 0, in_prompt=True)
+                    yield from score_positions(logits[0, :-1], prompt_ids[1:], logprobs or 0, in_prompt=True)
                     if step_index == max_new_tokens:
                         return  # max_new_tokens 0: the prompt scored, nothing generated
-                last = out.logits[0, -1]  # (V,)
+                last = logits[0, -1]  # (V,)
                 token = int(last.argmax())
                 yield token if logprobs is None else score_positions(last[None], [token], logprobs)[0]
                 if stop_at_eos and token in self._eos_ids:

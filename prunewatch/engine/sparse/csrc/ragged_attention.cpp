@@ -5,13 +5,15 @@
 // request (prompt plus max new tokens: what the batcher's KV budget reserves for it), and attends over the
 // positions filled so far, alone. Done with ATen, each row and layer paid a concatenation of its whole cache
 // (a copy that grows with the context) and a scaled_dot_product_attention call; here the write is in place and
-// the attention is a few microseconds of arithmetic.
+// one call serves every row (measured by hand, SmolLM2-135M's heads, 76 positions, AVX2 host: 8 us per layer
+// for one row, 31 us for eight).
 //
 // Each (row, key/value head) is computed start to end by one thread in a fixed order, so a row's output does not
 // depend on the other rows of the step nor on the thread count: a request decodes the same tokens alone or in
 // any batch. The arithmetic is plain fp32: the scores q.k * scale summed in lanes of 8 (AVX2) then across
-// lanes, the softmax with its maximum subtracted (exp from a polynomial, Cephes' expf, within 2 ulp), and the
-// weighted sum of values in position order.
+// lanes, the softmax with its maximum subtracted (exp from a polynomial, after Cephes' expf; the outputs agree
+// with float64 attention to 1e-5 in tests/engine/test_ragged_attention.py), and the weighted sum of values in
+// position order.
 
 #include <torch/extension.h>
 
