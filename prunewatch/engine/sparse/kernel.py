@@ -34,12 +34,12 @@ def _csrc(name: str) -> Path:
     return Path(str(files("prunewatch.engine.sparse").joinpath("csrc", name)))
 
 
-SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "int4_dense.cpp", "int8_dense.cpp",
+SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "fp32_dense.cpp", "int4_dense.cpp", "int8_dense.cpp",
                                          "ragged_attention.cpp"))
-"""The extension's sources, built together as one module: the sparse linear kernel, the dense decode products of
-int4 and int8 weights laid out by output (csrc/int4_dense.cpp, csrc/int8_dense.cpp), and the attention of a decode
+"""The extension's sources, built together as one module: the sparse linear kernel, the dense products of few rows
+of fp32 weights (csrc/fp32_dense.cpp) and of int4 and int8 weights laid out by output (csrc/int4_dense.cpp, csrc/int8_dense.cpp), and the attention of a decode
 step over reserved caches (csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
-HEADERS = tuple(_csrc(name) for name in ("int4_dense.h", "int8_dense.h", "integer_dense.h", "ragged_attention.h",
+HEADERS = tuple(_csrc(name) for name in ("fp32_dense.h", "int4_dense.h", "int8_dense.h", "integer_dense.h", "ragged_attention.h",
                                          "thread_count.h"))
 """Headers the sources include: part of the build's digest, so that changing one rebuilds the module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
@@ -193,6 +193,19 @@ def counted_op() -> Callable[..., torch.Tensor]:
 
             _FAKE_REGISTERED = True
     return torch.ops.prunewatch.sparse_linear_counted
+
+
+Fp32DenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+"""(x, weight_t, bias, threads) -> y: the dense product of few rows of fp32 weights, row by row invariant."""
+
+
+def fp32_dense_kernel(device: torch.device | str, dtype: torch.dtype) -> Fp32DenseKernel | None:
+    """The dense product of few rows of fp32 weights (csrc/fp32_dense.cpp: each output one chain over the inputs,
+    so a row's bits depend on that row alone), for weights of `dtype` on `device`; None elsewhere (other devices
+    and dtypes read every row through the sparse kernel instead). Builds the extension where needed."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    return build().fp32_dense_linear
 
 
 QuantizedDenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]

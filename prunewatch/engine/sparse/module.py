@@ -40,6 +40,7 @@ from prunewatch.engine.execution import (
 from prunewatch.engine.sparse.kernel import (
     SparseKernelUnavailableError,
     device_kernel,
+    fp32_dense_kernel,
     int4_dense_kernel,
     int8_dense_kernel,
 )
@@ -159,6 +160,8 @@ class SparseLinear(LinearWrapper):
         self.register_buffer("weight_by_output", by_output, persistent=False)
         self.register_buffer("scale", scale.to(weight.device, torch.float32).contiguous(), persistent=False)
         self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
+        # fp32 on the CPU: the dense product of few rows splits the outputs over threads (csrc/fp32_dense.cpp)
+        self._fp32_dense = None if self.quantized else fp32_dense_kernel(weight.device, weight_t.dtype)
         self._kernel_is_cuda = weight.device.type == "cuda"  # a model moved after installing resolves per call
         self._bias = (linear.bias,)  # a tuple: read per call without nn.Module's attribute lookup
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
@@ -259,9 +262,9 @@ class SparseLinear(LinearWrapper):
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
         """The dense product when the call has few rows: int4 or int8 laid out by output (csrc/int4_dense.cpp,
-        csrc/int8_dense.cpp), else the kernel
-        reading every row (int8 / int4: the block counted the fp32 bytes, the call read the quantized rows and their
-        scales; fp32 under a row-invariant plan: the same bytes); with many rows the wrapped layer on the
+        csrc/int8_dense.cpp), fp32 on the CPU with the outputs split over threads (csrc/fp32_dense.cpp), else the
+        kernel reading every row (int8 / int4: the block counted the fp32 bytes, the call read the quantized rows and
+        their scales; fp32 under a row-invariant plan: the same bytes); with many rows the wrapped layer on the
         dequantized weights (a prefill: compute-bound, where BLAS is faster)."""
         rows = x.numel() // self.in_features
         if rows > self.max_kernel_rows:
@@ -271,6 +274,8 @@ class SparseLinear(LinearWrapper):
         if self._quantized_dense_kernel is not None:
             output = self._quantized_dense_kernel(flat, buffers["weight_by_output"], buffers["weight_scale"],
                                                   self._bias[0], self.kernel_threads)
+        elif self._fp32_dense is not None and flat.dtype == torch.float32 and not flat.is_cuda:
+            output = self._fp32_dense(flat, buffers["weight_t"], self._bias[0], self.kernel_threads)
         else:
             kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
             output, _, _ = kernel(flat, buffers["weight_t"], self._bias[0], buffers["scale"], -1.0, -1,

@@ -39,7 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunewatch.engine.execution import COMPILED_STEP, ExecutionLedger, current_execution
-from prunewatch.engine.sparse.kernel import SparseKernelUnavailableError, device_kernel, int8_dense_kernel
+from prunewatch.engine.sparse.kernel import (
+    SparseKernelUnavailableError,
+    device_kernel,
+    fp32_dense_kernel,
+    int8_dense_kernel,
+)
 from prunewatch.engine.sparse.quantize import (
     WeightFormat,
     dequantize_int8,
@@ -83,6 +88,7 @@ class ShortlistHead(LinearWrapper):
         self.register_buffer("ones", torch.ones(self.in_features, dtype=torch.float32, device=weight.device),
                              persistent=False)
         self._kernel = device_kernel(weight.device)
+        self._fp32_dense = None if self.quantized else fp32_dense_kernel(weight.device, weight_t.dtype)
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
         self._bytes_per_input_row = self.out_features * weight_t.element_size()  # one row of W^T
         self.scale_bytes = 0 if weight_scale is None else weight_scale.numel() * weight_scale.element_size()  # int8 only
@@ -153,8 +159,8 @@ class ShortlistHead(LinearWrapper):
 
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
         """The dense head on int8 weights (or fp32 under a row-invariant plan) when the call has few rows: int8 laid
-        out by output and multiplied as integers on int16-rounded inputs (csrc/int8_dense.cpp), else the kernel
-        reading every input row, counted here as the dense work it is (the counting hook fires on the wrapped
+        out by output and multiplied as integers on int16-rounded inputs (csrc/int8_dense.cpp), fp32 on the CPU with
+        the outputs split over threads (csrc/fp32_dense.cpp), else the kernel reading every input row, counted here as the dense work it is (the counting hook fires on the wrapped
         layer's calls only); the wrapped fp32 layer otherwise (many rows: compute-bound, BLAS is faster)."""
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
@@ -163,6 +169,8 @@ class ShortlistHead(LinearWrapper):
         if self._int8_dense is not None:
             output = self._int8_dense(flat, self.weight_by_output, self.weight_scale, self.linear.bias,
                                       self.kernel_threads)
+        elif self._fp32_dense is not None and flat.dtype == torch.float32 and flat.device.type == "cpu":
+            output = self._fp32_dense(flat, self.weight_t, self.linear.bias, self.kernel_threads)
         else:
             kernel = self._kernel if flat.device.type == self.weight_t.device.type else device_kernel(flat.device)
             output, _, _ = kernel(flat, self.weight_t, self.linear.bias, self.ones, -1.0, -1, self.kernel_threads,

@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp32_dense.h"
 #include "int4_dense.h"
 #include "int8_dense.h"
 #include "ragged_attention.h"
@@ -724,6 +725,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("wt"), pybind11::arg("bias"), pybind11::arg("scale"),
         pybind11::arg("threshold"), pybind11::arg("keep"), pybind11::arg("threads"),
         pybind11::arg("weight_scale") = pybind11::none());
+  m.def("fp32_dense_linear", &prunewatch::fp32_dense_linear,
+        "y = x @ wt + bias for fp32 weights (wt = W^T), each output one chain over the inputs: a row's bits do not "
+        "depend on the other rows or the thread count",
+        pybind11::arg("x"), pybind11::arg("wt"), pybind11::arg("bias"), pybind11::arg("threads"));
   m.def("int4_dense_linear", &prunewatch::int4_dense_linear,
         "y = x @ int4 weights (laid out by output) + bias, x rounded to int16 per group of 32 inputs",
         pybind11::arg("x"), pybind11::arg("by_output"), pybind11::arg("scales"), pybind11::arg("bias"),
