@@ -35,12 +35,13 @@ def _csrc(name: str) -> Path:
 
 
 SOURCES = tuple(_csrc(name) for name in ("sparse_linear.cpp", "fp32_dense.cpp", "int4_dense.cpp", "int8_dense.cpp",
-                                         "ragged_attention.cpp"))
+                                         "ragged_attention.cpp", "threshold_mask.cpp"))
 """The extension's sources, built together as one module: the sparse linear kernel, the dense products of few rows
-of fp32 weights (csrc/fp32_dense.cpp) and of int4 and int8 weights laid out by output (csrc/int4_dense.cpp, csrc/int8_dense.cpp), and the attention of a decode
-step over reserved caches (csrc/ragged_attention.cpp, used by prunewatch.engine.batching)."""
-HEADERS = tuple(_csrc(name) for name in ("fp32_dense.h", "int4_dense.h", "int8_dense.h", "integer_dense.h", "ragged_attention.h",
-                                         "thread_count.h"))
+of fp32 weights (csrc/fp32_dense.cpp) and of int4 and int8 weights laid out by output (csrc/int4_dense.cpp,
+csrc/int8_dense.cpp), the attention of a decode step over reserved caches (csrc/ragged_attention.cpp, used by
+prunewatch.engine.batching), and the row policy's mask of a call with many rows (csrc/threshold_mask.cpp)."""
+HEADERS = tuple(_csrc(name) for name in ("fp32_dense.h", "int4_dense.h", "int8_dense.h", "integer_dense.h",
+                                         "ragged_attention.h", "thread_count.h", "threshold_mask.h"))
 """Headers the sources include: part of the build's digest, so that changing one rebuilds the module."""
 CACHE_ENV = "PRUNEWATCH_EXTENSIONS_DIR"
 """Environment variable naming the folder compiled kernels are cached in."""
@@ -206,6 +207,18 @@ def fp32_dense_kernel(device: torch.device | str, dtype: torch.dtype) -> Fp32Den
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return None
     return build().fp32_dense_linear
+
+
+ThresholdMask = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, int]]
+"""(x, scale, threshold) -> (x with the entries whose |x| * scale is not above threshold zeroed, entries kept)."""
+
+
+def threshold_mask_kernel(device: torch.device | str, dtype: torch.dtype) -> ThresholdMask | None:
+    """The row policy's mask of a call with many rows in one pass (csrc/threshold_mask.cpp), for inputs of `dtype`
+    on `device`: float32 on the CPU; None elsewhere (tensor operators do it there)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    return build().threshold_mask
 
 
 QuantizedDenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]

@@ -43,6 +43,7 @@ from prunewatch.engine.sparse.kernel import (
     fp32_dense_kernel,
     int4_dense_kernel,
     int8_dense_kernel,
+    threshold_mask_kernel,
 )
 from prunewatch.engine.sparse.quantize import (
     WeightFormat,
@@ -162,6 +163,7 @@ class SparseLinear(LinearWrapper):
         self._kernel = device_kernel(weight.device)  # resolved once: a decode step makes ~7 calls per block
         # fp32 on the CPU: the dense product of few rows splits the outputs over threads (csrc/fp32_dense.cpp)
         self._fp32_dense = None if self.quantized else fp32_dense_kernel(weight.device, weight_t.dtype)
+        self._threshold_mask = threshold_mask_kernel(weight.device, torch.float32)  # a prefill's mask, in one pass
         self._kernel_is_cuda = weight.device.type == "cuda"  # a model moved after installing resolves per call
         self._bias = (linear.bias,)  # a tuple: read per call without nn.Module's attribute lookup
         self._dense_flops_per_row = 2 * self.in_features * self.out_features
@@ -293,6 +295,11 @@ class SparseLinear(LinearWrapper):
     def _masked_dense(self, x: torch.Tensor, ledger: ExecutionLedger, threshold: float, keep: int,
                       dense_flops: int) -> torch.Tensor:
         """Same mask as the kernel, dense matmul: it stays counted as the dense work its block counted."""
+        ledger.sparse_executed_flops += dense_flops
+        if keep < 0 and self._threshold_mask is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            masked, kept = self._threshold_mask(x.contiguous(), self.scale, threshold)  # the operators below, one pass
+            ledger.sparse_kept_entries += kept
+            return self.linear(masked)
         scale = self.scale.to(x.device)
         score = x.abs().float() * scale  # (..., in)
         if keep < 0:
@@ -302,6 +309,5 @@ class SparseLinear(LinearWrapper):
             mask = torch.zeros(self.in_features, dtype=torch.bool, device=x.device)
             mask[torch.topk(flat, keep).indices] = True
             mask = mask.expand_as(score)
-        ledger.sparse_executed_flops += dense_flops
         ledger.sparse_kept_entries += int((mask & (x != 0)).sum()) if keep >= 0 else int(mask.sum())
         return self.linear(x * mask)

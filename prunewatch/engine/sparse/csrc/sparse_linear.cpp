@@ -50,6 +50,7 @@
 #include "int4_dense.h"
 #include "int8_dense.h"
 #include "ragged_attention.h"
+#include "threshold_mask.h"
 #include "thread_count.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -737,6 +738,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ int8 weights (laid out by output) + bias, x rounded to int16 per group of 32 inputs",
         pybind11::arg("x"), pybind11::arg("by_output"), pybind11::arg("weight_scale"), pybind11::arg("bias"),
         pybind11::arg("threads"));
+  m.def("threshold_mask", &prunewatch::threshold_mask,
+        "(x with the entries whose |x| * scale is not above threshold zeroed, entries kept): the row policy's mask "
+        "of a call with many rows, in one pass",
+        pybind11::arg("x"), pybind11::arg("scale"), pybind11::arg("threshold"));
   m.def("reserved_decode_attention", &prunewatch::reserved_decode_attention,
         "one decode step's attention: each row's key and value written in place in its reserved cache, then the "
         "row attending over its filled positions alone",
