@@ -66,16 +66,20 @@ def run_level(engine: Any, way: str, prompts: list[str], tokens: int, threads: i
     from prunewatch.engine.execution import ExecutionPlan
 
     ids = [engine.render_prompt(p) for p in prompts]
-    plans = [ExecutionPlan() if way == "dense" else
-             engine.execution_plan(i, engine.settings.sensitivity, list(engine.settings.layer_blacklist),
-                                   prompt_text=p) for i, p in zip(ids, prompts, strict=True)]
     batcher = engine.new_batcher(max(8, len(prompts)), threads, sparse_rows=SPARSE_ROWS[way])
     results: list[Any] = [None] * len(prompts)
 
     def decode(index: int) -> None:
         torch.set_num_threads(1)  # as serve's request threads: the stepper holds the cores
         try:
-            results[index] = engine.measure_decode(ids[index], plans[index], tokens, batcher=batcher)
+            # Planned here, as serve plans on the request's thread: planned on this process's main thread (torch's
+            # threads), its small tensor operators would start an OpenMP team beside the stepper's, and two teams on
+            # the cores make GNU OpenMP sleep and wake its threads at every parallel region of every later step
+            # (prunewatch/engine/threads.py), slowing each level after the first pruned one by about a quarter.
+            plan = ExecutionPlan() if way == "dense" else engine.execution_plan(
+                ids[index], engine.settings.sensitivity, list(engine.settings.layer_blacklist),
+                prompt_text=prompts[index])
+            results[index] = engine.measure_decode(ids[index], plan, tokens, batcher=batcher)
         except BaseException as exc:  # re-raised below, on the caller's thread
             results[index] = exc
 
