@@ -15,8 +15,9 @@ here (`RAGGED_ATTENTION`) writes each row's key and value into that row's cache,
 alone, as the request would alone (no padding, no mask; on the CPU one compiled operator per layer for every row,
 prunewatch/engine/sparse/csrc/ragged_attention.cpp, whose per-row sums do not depend on the other rows; eager
 decoding in process runs its steps the same way, `ragged_decode_step`). Under `ExecutionPlan.row_invariant` the
-dense products of few rows run through the sparse kernel, whose per-row sums do not depend on the other rows
-either, so a dense request decodes the same tokens alone, in any batch, or in process.
+dense products of few rows run through products whose per-row sums do not depend on the other rows either
+(csrc/fp32_dense.cpp for fp32 weights, csrc/int8_dense.cpp and csrc/int4_dense.cpp for quantized ones), so a dense
+request decodes the same tokens alone, in any batch, or in process.
 
 A batch runs one plan, the members' common denominator (`batch_plan`): requests whose plans differ in what
 changes the KV cache's shape or content (bypassed blocks, gated heads, sparsity policy, family factors) never

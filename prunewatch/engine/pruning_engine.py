@@ -418,9 +418,10 @@ class PruningEngine:
 
     def eager_step_plan(self, plan: ExecutionPlan) -> ExecutionPlan:
         """The plan an eager decode step of this engine runs for `plan`. On the CPU its dense products go through
-        the sparse kernel (ExecutionPlan.row_invariant), as batched steps' must: a request then decodes the same
-        tokens in process as through `serve`, and at 2 threads the kernel's few-row products are faster than BLAS's
-        parallel ones (README "Dense steps through the kernel"). Elsewhere `plan` itself."""
+        the row-invariant products (ExecutionPlan.row_invariant; fp32: csrc/fp32_dense.cpp), as batched steps' must:
+        a request then decodes the same tokens in process as through `serve`, and at 2 threads those few-row
+        products are faster than BLAS's parallel ones (README "Dense steps through the kernel"). Elsewhere `plan`
+        itself."""
         return replace(plan, row_invariant=True) if self.loaded.device.type == "cpu" else plan
 
     @torch.no_grad()
