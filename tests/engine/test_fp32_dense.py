@@ -87,6 +87,7 @@ def test_misshapen_inputs_are_refused(kernel):
     with pytest.raises(RuntimeError, match="bias"):
         kernel(x, wt, torch.zeros(31), 0)
     assert kernel(x[:0], wt, bias, 0).shape == (0, 32)
+    assert torch.equal(kernel(x[:, :0], wt[:0], bias, 0), bias.expand(2, 32))  # no inputs: the bias alone
 
 
 def test_only_fp32_weights_on_the_cpu_have_it():

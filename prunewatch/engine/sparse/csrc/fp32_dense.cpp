@@ -187,7 +187,8 @@ at::Tensor fp32_dense_linear(const at::Tensor& x, const at::Tensor& wt, const c1
   const at::Tensor xf = x.contiguous();
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({rows, out}, xf.options());
+  // No input channels: every sum is empty, so each output is its bias (the loops below never write one).
+  at::Tensor y = in == 0 ? at::zeros({rows, out}, xf.options()) : at::empty({rows, out}, xf.options());
   if (rows == 0 || out == 0) return y;
   const float* xp = xf.data_ptr<float>();
   const float* w = wt.data_ptr<float>();
