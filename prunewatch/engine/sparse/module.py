@@ -276,7 +276,7 @@ class SparseLinear(LinearWrapper):
         if self._quantized_dense_kernel is not None:
             output = self._quantized_dense_kernel(flat, buffers["weight_by_output"], buffers["weight_scale"],
                                                   self._bias[0], self.kernel_threads)
-        elif self._fp32_dense is not None and flat.dtype == torch.float32 and not flat.is_cuda:
+        elif self._fp32_dense is not None and flat.dtype == torch.float32 and flat.device.type == "cpu":
             output = self._fp32_dense(flat, buffers["weight_t"], self._bias[0], self.kernel_threads)
         else:
             kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)

@@ -160,8 +160,9 @@ class ShortlistHead(LinearWrapper):
     def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
         """The dense head on int8 weights (or fp32 under a row-invariant plan) when the call has few rows: int8 laid
         out by output and multiplied as integers on int16-rounded inputs (csrc/int8_dense.cpp), fp32 on the CPU with
-        the outputs split over threads (csrc/fp32_dense.cpp), else the kernel reading every input row, counted here as the dense work it is (the counting hook fires on the wrapped
-        layer's calls only); the wrapped fp32 layer otherwise (many rows: compute-bound, BLAS is faster)."""
+        the outputs split over threads (csrc/fp32_dense.cpp), else the kernel reading every input row; counted here as
+        the dense work it is (the counting hook fires on the wrapped layer's calls only). The wrapped fp32 layer
+        otherwise (many rows: compute-bound, BLAS is faster)."""
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         if rows > self.max_kernel_rows:

@@ -47,7 +47,6 @@ constexpr int64_t kChannels = 32;  // input channels per block (partial sums kep
 // the bytes); 16 to 128 channels per block varied within the runs' noise.
 constexpr int64_t kAhead = 16;
 constexpr int kPrefetchLocality = 2;
-constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
 
 #if defined(__AVX512F__)
 using Vec = __m512;
@@ -197,13 +196,7 @@ at::Tensor fp32_dense_linear(const at::Tensor& x, const at::Tensor& wt, const c1
   auto body = [&](int64_t v0, int64_t v1) {
     outputs_into(xp, rows, in, w, out, b, yp, v0 * kWidth, std::min(out, v1 * kWidth));
   };
-  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
-  if (num_threads == 1 || in * out < kMinWeightsPerThread * 2) {
-    body(0, vectors);
-  } else {
-    at::parallel_for(0, vectors, (vectors + num_threads - 1) / num_threads, body);
-  }
+  over_output_chunks(vectors, in * out, threads, body);
   return y;
 }
 

@@ -97,7 +97,6 @@ inline RoundedRows round_rows(const float* x, int64_t rows, int64_t in, bool sum
 }
 
 constexpr int64_t kBlock = 8;  // outputs whose sums are reduced together
-constexpr int64_t kMinWeightsPerThread = 1 << 16;  // below this one thread does it all
 
 #if defined(__AVX2__)
 // Eight outputs' vectors of partial sums, each summed across its lanes: output k in lane k. a = outputs 0-3 (each
@@ -151,18 +150,10 @@ inline Call prepare(const at::Tensor& x, const c10::optional<at::Tensor>& bias, 
   return call;
 }
 
-// body(b0, b1) over the `out / 8` output blocks: split among at most `threads` threads (<= 0: torch's intra-op
-// count), each taking whole blocks, or run on this thread for a small layer.
+// body(b0, b1) over the `out / 8` output blocks, whole blocks per thread (over_output_chunks).
 template <typename Body>
 void over_output_blocks(int64_t in, int64_t out, int64_t threads, const Body& body) {
-  const int64_t blocks = out / kBlock;
-  const int64_t pool = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t num_threads = threads > 0 ? std::min(threads, pool) : pool;
-  if (num_threads == 1 || in * out < kMinWeightsPerThread * 2) {
-    body(0, blocks);
-  } else {
-    at::parallel_for(0, blocks, (blocks + num_threads - 1) / num_threads, body);
-  }
+  over_output_chunks(out / kBlock, in * out, threads, body);
 }
 
 }  // namespace integer_dense
