@@ -80,12 +80,14 @@ class GenerationJob(Generic[T]):
         self._make_iterator = make_iterator
         self._admitted_at = time.perf_counter()
         self._queue = queue
+        self._slot = slot
         self.queue_ms = 0.0  # admitted -> a worker picked it up; written by the worker before any item
         try:  # in a copy of this context (GenerationThreads.submit)
             self.future: Future[None] = queue.threads.submit(self._work)
         except RuntimeError:  # the pool is shut down: the server is stopping
             slot.release()
             raise
+        # A job dropped before it ran (the pool shut down) releases here; one that ran released in _work.
         self.future.add_done_callback(lambda _: slot.release())
 
     def _put(self, item: object) -> None:
@@ -113,6 +115,9 @@ class GenerationJob(Generic[T]):
             if close is not None:
                 close()
             self._queue._observe_service(time.perf_counter() - started)
+            # Release before the reader can see the end: a response sent on _DONE must find the slot
+            # free, or a client that reads the queue gauge right after its answer sees its own request.
+            self._slot.release()
             self._put(_DONE)
 
     def cancel(self) -> None:

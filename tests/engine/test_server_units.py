@@ -391,6 +391,34 @@ def test_a_failing_job_raises_in_the_reader_and_frees_its_slot() -> None:
         queue.close()
 
 
+def test_the_slot_is_free_before_the_reader_sees_the_end() -> None:
+    """A response is sent when its reader sees the end; a client reading the queue gauge right after
+    must not find its own request still counted. The worker is held back after its job returns, so
+    a slot released only when the worker's future completes would still be taken here."""
+    queue = AdmissionQueue(depth=1)
+    submit = queue.threads.submit
+
+    def slow_to_finish(fn):
+        def run():
+            fn()
+            time.sleep(0.3)
+        return submit(run)
+
+    queue.threads.submit = slow_to_finish  # type: ignore[method-assign]
+
+    async def main() -> tuple[list[int], int]:
+        job = queue.start(queue.admit()[0], lambda: iter([1, 2]))
+        got = [item async for item in job.items()]
+        in_flight_at_end = queue.in_flight
+        await asyncio.wrap_future(job.future)
+        return got, in_flight_at_end
+
+    try:
+        assert asyncio.run(main()) == ([1, 2], 0)
+    finally:
+        queue.close()
+
+
 def test_leaving_early_stops_the_worker() -> None:
     queue = AdmissionQueue(depth=1)
     produced: list[int] = []
