@@ -141,6 +141,9 @@ class ExecutionLedger:
     # Decode steps this request shared with others (prunewatch.engine.batching), and the rows of those steps.
     batched_steps: int = 0
     batch_rows: int = 0
+    # Prompt positions whose keys and values were copied from the prefix cache (prunewatch.engine.prefix_cache).
+    # A prompt's head is the cache's work, hit or miss, so it is in no count above either way.
+    cached_prompt_tokens: int = 0
     # Set once the over-counting warning was logged, so reading the ratios again does not repeat it.
     _overcount_warned: bool = field(default=False, repr=False, compare=False)
 

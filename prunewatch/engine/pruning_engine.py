@@ -33,6 +33,7 @@ from prunewatch.engine.loading import LoadedModel, load_model
 from prunewatch.engine.logprobs import MAX_TOP_LOGPROBS, Scored, TokenLogprob, TokenTexts, score_positions
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.planner import BypassPlan, plan_bypass, validate_request
+from prunewatch.engine.prefix_cache import PrefixCache
 from prunewatch.engine.quality import answer_token_scores, divergence, quality_check, quality_report
 from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
 from prunewatch.engine.signals import memory_pressure
@@ -129,6 +130,7 @@ class PruningEngine:
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.token_texts = TokenTexts(tokenizer)  # token ids as OpenAI clients read them (logprobs)
+        self.prefix_cache = PrefixCache(self._user_turn_marker(), settings.prefix_cache_entries)
 
     @classmethod
     def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:
@@ -180,6 +182,7 @@ class PruningEngine:
     def use_calibration(self, calibration: Calibration) -> None:
         calibration.check_model(self.loaded.fingerprint, self.num_layers)
         self._calibration = calibration
+        self.prefix_cache.clear()
 
     def calibrate(
         self,
@@ -254,8 +257,71 @@ class PruningEngine:
                                           SparsityOptions(weights=self.settings.weights,
                                                           quantized_sparse_from=self.settings.quantized_sparse_from),
                                           model_fingerprint=self.loaded.fingerprint)
+        self.prefix_cache.clear()  # the heads were computed before any layer pruned
 
     # -- requests ----------------------------------------------------------------------------
+    def _user_turn_marker(self) -> list[int]:
+        """The tokens the chat template puts between a system prompt and the user's text (empty without a chat
+        template): the common end of the heads of two renderings with different system prompts, each head being
+        the common start of two renderings that differ only in the user's text."""
+        if not getattr(self.loaded.tokenizer, "chat_template", None):
+            return []
+
+        def common_start(a: list[int], b: list[int]) -> list[int]:
+            length = 0
+            while length < min(len(a), len(b)) and a[length] == b[length]:
+                length += 1
+            return a[:length]
+
+        heads = []
+        for system in ("You answer briefly.", "Reply in plain words, please"):
+            first, second = (self.render_prompt(messages=[{"role": "system", "content": system},
+                                                          {"role": "user", "content": text}])
+                             for text in ("Hello there.", "7 + 5 = ?"))
+            heads.append(common_start(first, second))
+        return common_start(heads[0][::-1], heads[1][::-1])[::-1]
+
+    def _prefill_head(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any) -> int:
+        """Put the prompt's head's keys and values (prunewatch.engine.prefix_cache) in the empty `cache`, from the
+        prefix cache or computed (and stored) by a pass over the head alone, under the current plan; returns the
+        positions filled (0: the prompt has no head, and its prefill runs whole). Runs where the prefill runs (the batcher's
+        stepper, or the request's thread): the thread count that computes a head is part of its key.
+
+        The head is the store's work, done once per plan, not the request's: a pass that computes it counts in a
+        ledger of its own, so a request's counts (and its pruning ratio) are the same whether its head was stored or
+        not, as its tokens are. `cached_prompt_tokens` says which it was."""
+        prefix = self.prefix_cache
+        length = prefix.head_length(prompt_ids)
+        if length == 0 or not prefix.supports(cache):
+            return 0
+        key = (tuple(prompt_ids[:length]), plan, torch.get_num_threads())
+        entry = prefix.lookup(key)
+        if entry is not None:
+            prefix.fill(cache, entry)
+            ledger.cached_prompt_tokens += length
+            return length
+        model: Any = self.loaded.model
+        device = self.loaded.device
+        with executing(plan, ExecutionLedger()):
+            model(input_ids=torch.tensor([prompt_ids[:length]], device=device), cache=cache, use_cache=True,
+                  position_ids=torch.arange(length, device=device)[None], logits_to_keep=1)
+        prefix.store(key, cache, length)
+        return length
+
+    def _prefill_chunk(self, prompt_ids: list[int], start: int, chunk: int, keep: int, plan: ExecutionPlan,
+                       ledger: ExecutionLedger, cache: Any, use_head: bool) -> tuple[int, Any]:
+        """Prefill up to `chunk` prompt positions from `start` into `cache`; the first chunk (`use_head`) starts
+        after the prompt's head, whose keys and values it puts in first (_prefill_head). Returns the positions
+        filled so far and the model's output."""
+        if start == 0 and use_head:
+            start = self._prefill_head(prompt_ids, plan, ledger, cache)
+        device = self.loaded.device
+        piece = torch.tensor([prompt_ids[start:start + chunk]], device=device)  # (1, <= chunk)
+        positions = torch.arange(start, start + piece.shape[1], device=device)[None]
+        model: Any = self.loaded.model
+        out = model(input_ids=piece, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=keep)
+        return start + piece.shape[1], out
+
     def render_prompt(self, prompt: str | None = None, system: str | None = None,
                       messages: Sequence[Mapping[str, str]] | None = None) -> list[int]:
         """Token ids of the prompt, through the model's chat template when it has one."""
@@ -379,7 +445,9 @@ class PruningEngine:
             plan = replace(plan, output_head_row_kernel=True)
         with executing(plan, ledger):
             position = 0
-            step_ids = ids
+            if use_cache and not score_prompt:
+                position = self._prefill_head(prompt_ids, plan, ledger, cache)
+            step_ids = ids[:, position:]
             for step_index in range(max(max_new_tokens, 1 if score_prompt else 0)):
                 keep = 0 if score_prompt and step_index == 0 else 1  # 0: every row (transformers' logits_to_keep)
                 if use_cache:
@@ -431,7 +499,6 @@ class PruningEngine:
         """`_decode` through the batcher: the prefill in chunks on its stepper (in one piece when every prompt row's
         logits are kept), then each decode step shared with the other requests due at the same time."""
         model: Any = self.loaded.model  # a transformers model (typed as a plain nn.Module)
-        device = self.loaded.device
         # Buffers of the request's whole length, the positions its KV reservation counts (prunewatch.engine.kv_cache)
         cache = reserved_cache(model.config, len(prompt_ids) + max(1, max_new_tokens))
         executed_blocks = self._kv_layers_read(plan)
@@ -444,13 +511,11 @@ class PruningEngine:
         with executing(plan, ledger), batcher.sequence(plan, ledger, cache,
                                                        kv_tokens=len(prompt_ids) + max_new_tokens) as sequence:
             out = None
-            for start in range(0, len(prompt_ids), chunk):
-                piece = torch.tensor([prompt_ids[start:start + chunk]], device=device)  # (1, <= chunk)
-                positions = torch.arange(start, start + piece.shape[1], device=device)[None]
-                out = sequence.run(functools.partial(model, input_ids=piece, cache=cache, use_cache=True,
-                                                     position_ids=positions, logits_to_keep=keep))
-                ledger.kv_bytes_read += int(executed_blocks * (start + piece.shape[1])
-                                            * self._kv_bytes_per_token_per_layer)
+            start = 0
+            while start < len(prompt_ids):  # one job on the stepper per chunk
+                start, out = sequence.run(functools.partial(
+                    self._prefill_chunk, prompt_ids, start, chunk, keep, plan, ledger, cache, not score_prompt))
+                ledger.kv_bytes_read += int(executed_blocks * start * self._kv_bytes_per_token_per_layer)
             assert out is not None  # the prompt is never empty
             ledger.end_prefill()
             if score_prompt:
@@ -759,6 +824,7 @@ class PruningEngine:
             dram_source=dram_source,
             finish_reason=completion.finish_reason,
             mean_batch_size=round(ledger.mean_batch_size, 3),
+            cached_prompt_tokens=ledger.cached_prompt_tokens,
         )
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:

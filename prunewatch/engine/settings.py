@@ -218,6 +218,16 @@ class EngineSettings(BaseSettings):
             "released first: two teams on two cores make GNU OpenMP sleep and wake its threads at every parallel "
             "region of every decode step (prunewatch/engine/threads.py says how)."),
     )
+    prefix_cache_entries: int = Field(
+        8, ge=0, le=1024,
+        description=(
+            "Computed chat-prompt heads kept for reuse (prunewatch/engine/prefix_cache.py): a chat prompt's head is "
+            "everything up to its last user turn (the system prompt, default or its own, and any earlier turns); a "
+            "prompt whose head was computed before under the same plan prefills the rest only, after the head's "
+            "keys and values copied from the store. One entry per head, plan and thread count, least recently used "
+            "evicted. Chat prompts are always prefilled split at the head, so a request gets the same tokens whether "
+            "its head was stored or not. 0 turns it off."),
+    )
     dram_profile: Path | None = Field(
         None,
         description=(

@@ -88,6 +88,9 @@ class RequestStats:
     # Rows per decode step it ran in: 1.0 alone; more when it shared steps with other requests (continuous
     # batching, prunewatch/engine/batching.py), whose work its counts hold an equal share of.
     mean_batch_size: float = 1.0
+    # Prompt positions whose keys and values came from the prefix cache instead of the prefill
+    # (prunewatch/engine/prefix_cache.py). The head's work is in neither FLOP count, stored or not.
+    cached_prompt_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -125,11 +125,13 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
                         for e in entries]}
 
 
-def usage(stats: RequestStats) -> dict[str, int]:
+def usage(stats: RequestStats) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
     }
 
 

@@ -78,6 +78,10 @@ class ServerMetrics:
             "Configured admission limit; requests beyond it get 429.", ["model"], registry=r)
         self.prompt_tokens = Counter(
             check_metric_name("prunewatch_prompt_tokens"), "Prompt tokens of served requests.", ["model"], registry=r)
+        self.cached_prompt_tokens = Counter(
+            check_metric_name("prunewatch_prompt_tokens_cached"),
+            "Prompt tokens whose keys and values came from the prefix cache (a head computed before).", ["model"],
+            registry=r)
         self.completion_tokens = Counter(
             check_metric_name("prunewatch_completion_tokens"), "Completion tokens generated.", ["model"], registry=r)
         self.executed_flops = Counter(
@@ -132,6 +136,7 @@ class ServerMetrics:
         """
         model, domain = self.model, stats.domain or NO_DOMAIN
         self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
+        self.cached_prompt_tokens.labels(model).inc(stats.cached_prompt_tokens)
         self.completion_tokens.labels(model).inc(stats.completion_tokens)
         self.decode_batch_size.labels(model).observe(stats.mean_batch_size)
         self.executed_flops.labels(model, domain).inc(stats.executed_flops)

@@ -205,10 +205,17 @@ class BatchRequest(BaseModel):
 # -- responses ---------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="Prompt tokens whose keys and values came from the prefix cache (the prompt's head: up to the last user turn) "
+                    "instead of being computed by the prefill.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class QualityScore(BaseModel):

@@ -822,3 +822,22 @@ def test_fuzzing_the_openapi_document_finds_no_server_error(engine: PruningEngin
         assert (path, 200) in seen, f"no generated request to {path} was served: {sorted(seen)}"
     assert any(400 <= status < 500 for status in statuses)
     assert unsatisfiable == ["GET /health"]
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(http: httpx.Client, engine: PruningEngine,
+                                                                registry: CollectorRegistry) -> None:
+    """Once one request computed a chat prompt's head (its system prompt up to the user's turn), the next with the
+    same head gets it from the prefix cache and says so in OpenAI's usage field; a raw completion has no head."""
+    def usage(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = http.post(path, headers=AUTH, json={"model": engine.name, "max_tokens": 2, **body})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    head = engine.prefix_cache.head_length(engine.render_prompt(messages=CHAT))
+    assert head > 0
+    usage("/v1/chat/completions", {"messages": CHAT})
+    sample = ("prunewatch_prompt_tokens_cached_total", {"model": engine.name})
+    before = registry.get_sample_value(*sample) or 0.0
+    assert usage("/v1/chat/completions", {"messages": CHAT})["prompt_tokens_details"] == {"cached_tokens": head}
+    assert registry.get_sample_value(*sample) == before + head
+    assert usage("/v1/completions", {"prompt": PROMPT})["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -99,7 +99,8 @@ def test_echo_with_one_new_token_is_what_lm_eval_reads(http: httpx.Client, engin
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     prompt_ids = engine.render_raw(QUESTION)
     assert answer["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 1,
-                               "total_tokens": len(prompt_ids) + 1}
+                               "total_tokens": len(prompt_ids) + 1,
+                               "prompt_tokens_details": {"cached_tokens": 0}}  # every prompt position is scored
     assert all(len(values) == len(prompt_ids) + 1 for values in logprobs.values())
     assert logprobs["tokens"][:-1] == [engine.token_texts.text(i) for i in prompt_ids]
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None

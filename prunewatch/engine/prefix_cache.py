@@ -1,0 +1,131 @@
+"""Keys and values of a chat prompt's head (everything before the last user message's text), computed once per plan
+and reused by every prompt that starts with the same head.
+
+Why: the chat requests of one application share their start: the template's system block (its own system prompt,
+or the model's default one) up to the user's turn; SmolLM2-135M-Instruct's default head is 24 tokens of a typical 40
+to 50 token prompt. A prefill on the CPU is compute-bound, and under load each one runs alone on the batcher's stepper
+while the decoding requests wait (prunewatch.engine.batching). A head's keys and values depend only on its tokens,
+the weights, what the forward pass skipped (the request's plan) and the thread count that ran it, so one computation
+serves every later request with the same head and plan on the same kind of thread.
+
+Where the head ends is a function of the prompt's tokens alone: right after the last occurrence of the template's
+user-turn marker (the tokens it puts between a system prompt and the user's text, found by rendering two system
+prompts). So a prompt is always prefilled in two passes split at the same place, its head's keys and values either
+copied from the store or computed by the first pass (and stored); the second pass starts after them either way, and a
+request decodes the same tokens whether the store held its head or not, and whatever other requests came before.
+
+What is not cached: prompts without the marker (raw completions, a model without a chat template), prompts that end
+with it, requests that score every prompt position (echo with logprobs needs the head's logits), and models whose
+cache holds layers other than transformers' plain ones (sliding windows, linear attention).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from prunewatch.engine.kv_cache import ReservedLayer
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    """One computed head: each layer's keys and values, (1, kv_heads, head length, head_dim), or None for a layer
+    the plan bypassed (its cache stays empty)."""
+
+    keys: tuple[torch.Tensor | None, ...]
+    values: tuple[torch.Tensor | None, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+
+class PrefixCache:
+    """At most `max_entries` computed heads (per head, plan and thread count), least recently used evicted first;
+    thread-safe. `max_entries` 0, or an empty marker, turns it off."""
+
+    def __init__(self, marker: Sequence[int], max_entries: int) -> None:
+        if max_entries < 0:
+            raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+        self.marker = tuple(marker)
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[Hashable, PrefixEntry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def head_length(self, prompt_ids: Sequence[int]) -> int:
+        """Positions of `prompt_ids` up to and including the last user-turn marker, when some token follows it;
+        else 0 (the prompt is prefilled in one piece, as without a cache)."""
+        marker, width = self.marker, len(self.marker)
+        if self.max_entries == 0 or width == 0:
+            return 0
+        for end in range(len(prompt_ids) - 1, width - 1, -1):  # the head must leave at least one token after it
+            if prompt_ids[end - 1] == marker[-1] and tuple(prompt_ids[end - width:end]) == marker:
+                return end
+        return 0
+
+    @staticmethod
+    def supports(cache: Any) -> bool:
+        """Whether every layer of `cache` is a plain key/value layer this store can copy into and out of."""
+        layers = getattr(cache, "layers", None) or ()
+        return bool(layers) and all(type(layer) in (ReservedLayer, DynamicLayer) for layer in layers)
+
+    def lookup(self, key: Hashable) -> PrefixEntry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
+
+    def store(self, key: Hashable, cache: Any, length: int) -> None:
+        """Keep a copy of a head's keys and values from `cache`, each of whose layers holds exactly the head's
+        `length` positions, or none (a bypassed block)."""
+        if self.max_entries == 0:
+            return
+        layers = cache.layers
+        filled = [layer.get_seq_length() for layer in layers]
+        if any(positions not in (0, length) for positions in filled) or not any(filled):
+            raise ValueError(f"the cache holds {filled} positions per layer, not the head's {length} (or 0 where "
+                             f"a block was bypassed)")
+        entry = PrefixEntry(tuple(layer.keys.clone() if positions else None for layer, positions in zip(layers, filled)),
+                            tuple(layer.values.clone() if positions else None
+                                  for layer, positions in zip(layers, filled)))
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    @staticmethod
+    def fill(cache: Any, entry: PrefixEntry) -> None:
+        """Write the head's keys and values into an empty `cache` (its first positions)."""
+        for layer, keys, values in zip(cache.layers, entry.keys, entry.values, strict=True):
+            if layer.get_seq_length() != 0:
+                raise ValueError("the prefix goes into an empty cache")
+            if keys is not None and values is not None:
+                layer.update(keys, values)
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stored heads hold."""
+        with self._lock:
+            return sum(entry.nbytes for entry in self._entries.values())
+
+    def clear(self) -> None:
+        """Forget every head (the weights or what a plan's thresholds mean changed)."""
+        with self._lock:
+            self._entries.clear()

@@ -1,0 +1,136 @@
+"""The prefix cache: the chat template's head is computed once per plan and thread count, and a request gets the same
+tokens and logits whether its head came from the store or was computed for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan
+from prunewatch.engine.kv_cache import reserved_cache
+from prunewatch.engine.prefix_cache import PrefixCache
+
+QUESTION = "How do you list open network ports?"
+SYSTEM = "You are a Linux system administrator."
+
+
+def _filled_cache(config, length: int, seed: int):
+    """A reserved cache whose layers hold `length` positions of random keys and values."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = reserved_cache(config, length + 4)
+    for layer in cache.layers:
+        layer.update(torch.randn(1, 2, length, 8, generator=generator), torch.randn(1, 2, length, 8, generator=generator))
+    return cache
+
+
+def test_the_head_ends_after_the_last_user_turn_marker_and_leaves_a_token() -> None:
+    cache = PrefixCache([7, 8], max_entries=2)
+    assert cache.head_length([1, 7, 8, 5]) == 3
+    assert cache.head_length([1, 7, 8, 5, 7, 8, 6, 6]) == 6  # the last turn: earlier ones belong to the head
+    assert cache.head_length([1, 7, 8]) == 0  # nothing after the head: no logits to compute from a copy alone
+    assert cache.head_length([1, 8, 7, 5]) == 0
+    assert cache.head_length([7, 8, 5]) == 2
+    assert PrefixCache([], max_entries=2).head_length([7, 8, 5]) == 0
+    assert PrefixCache([7, 8], max_entries=0).head_length([7, 8, 5]) == 0
+    with pytest.raises(ValueError, match="max_entries"):
+        PrefixCache([5], max_entries=-1)
+
+
+def test_entries_are_copies_evicted_least_recently_used_first(probe_engine) -> None:
+    config = probe_engine.loaded.model.config
+    store = PrefixCache([2, 3], max_entries=2)
+    sources = {name: _filled_cache(config, 3, seed) for seed, name in enumerate("abc")}
+    store.store("a", sources["a"], 3)
+    store.store("b", sources["b"], 3)
+    assert store.lookup("a") is not None  # a is now the most recently used
+    store.store("c", sources["c"], 3)  # evicts b
+    assert store.lookup("b") is None and store.entries == 2
+    assert (store.hits, store.misses) == (1, 1)
+    entry = store.lookup("a")
+    assert entry is not None
+    sources["a"].layers[0].key_buffer.zero_()  # the entry is a copy, not a view of the request's cache
+    target = reserved_cache(config, 8)
+    store.fill(target, entry)
+    assert all(layer.get_seq_length() == 3 for layer in target.layers)
+    assert torch.equal(target.layers[-1].values, sources["a"].layers[-1].values)
+    first = entry.keys[0]
+    assert first is not None and torch.equal(target.layers[0].keys, first) and first.abs().sum() > 0
+    assert store.nbytes == 2 * sum(2 * t.numel() * 4 for t in entry.keys if t is not None)
+    with pytest.raises(ValueError, match="empty cache"):
+        store.fill(target, entry)
+    with pytest.raises(ValueError, match="head's 3"):
+        store.store("d", _filled_cache(config, 4, 9), 3)
+    store.clear()
+    assert store.entries == 0 and store.lookup("a") is None
+
+
+def _first_logits(engine, ids: list[int], plan: ExecutionPlan) -> tuple[torch.Tensor, list[int], int, tuple]:
+    """The first tokens' log-probabilities, the tokens, the positions the prefix cache filled, and the counts."""
+    ledger = ExecutionLedger()
+    scored = list(engine._decode(ids, plan, ledger, 6, True, logprobs=5))
+    counts = (ledger.executed_flops, ledger.dense_flops, ledger.weight_bytes_read, ledger.kv_bytes_read,
+              ledger.block_calls, ledger.block_bypasses)
+    return (torch.tensor([[s.logprob, *s.top_logprobs] for s in scored]), [s.token_id for s in scored],
+            ledger.cached_prompt_tokens, counts)
+
+
+def test_a_hit_gives_the_bits_a_miss_computes(probe_engine) -> None:
+    engine = probe_engine
+    ids = engine.render_prompt(QUESTION, SYSTEM)
+    head = engine.prefix_cache.head_length(ids)
+    assert 0 < head < len(ids)
+    plan = engine.execution_plan(ids, 0.5, [], prompt_text=QUESTION)
+    engine.prefix_cache.clear()
+    missed = _first_logits(engine, ids, plan)
+    hit = _first_logits(engine, ids, plan)
+    assert missed[2] == 0 and hit[2] == head
+    assert hit[1] == missed[1] and torch.equal(hit[0], missed[0])
+    assert hit[3] == missed[3]  # the head is the store's work: a request counts the same, stored or not
+    # Another plan is another entry: the head's keys and values depend on what the pass skipped.
+    assert _first_logits(engine, ids, ExecutionPlan())[2] == 0 and engine.prefix_cache.entries == 2
+
+
+def test_heads_are_shared_by_their_system_prompt_and_only_by_it(probe_engine) -> None:
+    engine = probe_engine
+    engine.prefix_cache.clear()
+
+    def cached(prompt: str, system: str | None = SYSTEM, **kwargs) -> int:
+        return engine.generate(prompt, system=system, max_new_tokens=2, **kwargs).stats.cached_prompt_tokens
+
+    head = engine.prefix_cache.head_length(engine.render_prompt(QUESTION, SYSTEM))
+    assert cached(QUESTION) == 0
+    assert cached("Which port does SSH listen on?") == head  # another question after the same system prompt
+    assert cached(QUESTION, "You are a contract lawyer.") == 0  # another system prompt: another head
+    assert cached(QUESTION, "You are a contract lawyer.") > 0
+    # Echo with logprobs scores every prompt position; a raw completion prompt has no user turn.
+    assert cached(QUESTION, logprobs=1, echo=True) == 0
+    raw = engine.render_raw("Open ports are listed by")
+    assert engine.prefix_cache.head_length(raw) == 0
+    assert engine.generate(prompt_ids=raw, max_new_tokens=2).stats.cached_prompt_tokens == 0
+
+
+def test_turned_off_or_recalibrated_nothing_is_reused(probe_engine, probe_model_dir, calibration_dir) -> None:
+    from tests.conftest import load_probe_engine
+
+    off = load_probe_engine(probe_model_dir, calibration_dir, prefix_cache_entries=0)
+    for _ in range(2):
+        assert off.generate(QUESTION, system=SYSTEM, max_new_tokens=2).stats.cached_prompt_tokens == 0
+    probe_engine.generate(QUESTION, system=SYSTEM, max_new_tokens=2)
+    assert probe_engine.prefix_cache.entries > 0
+    probe_engine.use_calibration(probe_engine.calibration)
+    assert probe_engine.prefix_cache.entries == 0
+
+
+def test_batched_requests_use_the_store_and_decode_what_they_do_in_process(probe_engine) -> None:
+    engine = probe_engine
+    engine.prefix_cache.clear()
+    alone = engine.generate(QUESTION, system=SYSTEM, max_new_tokens=8, sensitivity=0.0)
+    batcher = engine.new_batcher(4, threads=torch.get_num_threads())
+    try:
+        served = [engine.generate(QUESTION, system=SYSTEM, max_new_tokens=8, sensitivity=0.0, batcher=batcher)
+                  for _ in range(2)]
+    finally:
+        batcher.close()
+    head = engine.prefix_cache.head_length(engine.render_prompt(QUESTION, SYSTEM))
+    assert [r.token_ids for r in served] == [alone.token_ids] * 2
+    assert [r.stats.cached_prompt_tokens for r in served] == [head] * 2
