@@ -260,10 +260,11 @@ def drain(server: LoopbackServer) -> None:
 
 
 def load_prompts() -> list[list[dict[str, str]]]:
-    """The held-out evaluation prompts as chat messages."""
+    """The held-out evaluation prompts as chat messages, rendered as the quality evaluation renders them: a probe
+    without a system prompt sends none (the template's default applies), not an empty one."""
     from prunewatch.probes import EVALUATION_PATH, load_probes
 
-    return [[{"role": "system", "content": p.system}, {"role": "user", "content": p.prompt}]
+    return [([{"role": "system", "content": p.system}] if p.system else []) + [{"role": "user", "content": p.prompt}]
             for p in load_probes(EVALUATION_PATH).probes]
 
 
