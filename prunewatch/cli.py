@@ -289,6 +289,15 @@ def bench_load_command(ctx: typer.Context) -> None:
     _run_bench(bench_main, list(ctx.args))
 
 
+@bench_app.command("prefix-cache", context_settings=_BENCH_ARGS, add_help_option=False)
+def bench_prefix_cache_command(ctx: typer.Context) -> None:
+    """Prefills on the batcher's stepper with the prefix cache off, cold and as served, on the held-out prompts
+    and behind one long system prompt, in one run: prefill ms and the speedup over the cache off."""
+    from prunewatch.bench.prefix_cache import main as bench_main
+
+    _run_bench(bench_main, list(ctx.args))
+
+
 @bench_app.command("batch-sparsity", context_settings=_BENCH_ARGS, add_help_option=False)
 def bench_batch_sparsity_command(ctx: typer.Context) -> None:
     """What activation sparsity keeps in a batch: b = 1, 2, 4, 8 requests decoding together, dense, with the

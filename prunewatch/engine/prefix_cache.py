@@ -5,8 +5,11 @@ Why: the chat requests of one application share their start: the template's syst
 or the model's default one) up to the user's turn; SmolLM2-135M-Instruct's default head is 24 tokens of a typical 40
 to 50 token prompt. A prefill on the CPU is compute-bound, and under load each one runs alone on the batcher's stepper
 while the decoding requests wait (prunewatch.engine.batching). A head's keys and values depend only on its tokens,
-the weights, what the forward pass skipped (the request's plan) and the thread count that ran it, so one computation
-serves every later request with the same head and plan on the same kind of thread.
+the weights, what the forward pass skipped and the thread count that ran it. The engine computes heads without
+activation sparsity (a prefill multiplies dense whether its inputs are masked or not, so that saves no time; the
+default's targets adapt to each prompt, so a head computed under one request's targets would serve no other) and
+keys them by the rest of the plan, what shapes the cache (bypassed blocks, gated heads): one computation serves
+every later request with the same head and cache shape on the same kind of thread.
 
 Where the head ends is a function of the prompt's tokens alone: right after the last occurrence of the template's
 user-turn marker (the tokens it puts between a system prompt and the user's text, found by rendering two system
@@ -14,7 +17,14 @@ prompts). So a prompt is always prefilled in two passes split at the same place,
 copied from the store or computed by the first pass (and stored); the second pass starts after them either way, and a
 request decodes the same tokens whether the store held its head or not, and whatever other requests came before.
 
-What is not cached: prompts without the marker (raw completions, a model without a chat template), prompts that end
+Which heads are split off: those of at least `prefix_cache_min_tokens` (default 64). A prefill pays a whole forward
+pass however few its rows (every weight is read; on the CPU at 2 threads a 24-row pass of SmolLM2-135M costs about
+two thirds of a 49-row one), so a short head's own pass, on a miss, costs more than a hit saves: in
+bench/results/prefix-cache-cpu.json the held-out prompts, whose heads are SmolLM2's 24-token default or one-off
+system prompts, prefilled slower with every head split than without the cache, while behind one 240-token system
+prompt the prefills ran about 4x faster as served.
+
+What is not cached: shorter heads, prompts without the marker (raw completions, a model without a chat template), prompts that end
 with it, requests that score every prompt position (echo with logprobs needs the head's logits), and models whose
 cache holds layers other than transformers' plain ones (sliding windows, linear attention).
 """
@@ -32,6 +42,11 @@ from transformers.cache_utils import DynamicLayer
 
 from prunewatch.engine.kv_cache import ReservedLayer
 
+# Heads are computed in pieces of this many positions, wherever they are computed (the batcher's stepper, one job
+# per piece, or a request's own thread): a long head does not stall the decoding requests, and its keys and values
+# have the same bits whichever path computed the entry a request copies.
+HEAD_CHUNK = 128
+
 
 @dataclass(frozen=True)
 class PrefixEntry:
@@ -47,28 +62,29 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    """At most `max_entries` computed heads (per head, plan and thread count), least recently used evicted first;
+    """At most `max_entries` computed heads (per head, cache shape and thread count), least recently used evicted first;
     thread-safe. `max_entries` 0, or an empty marker, turns it off."""
 
-    def __init__(self, marker: Sequence[int], max_entries: int) -> None:
-        if max_entries < 0:
-            raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+    def __init__(self, marker: Sequence[int], max_entries: int, min_tokens: int = 1) -> None:
+        if max_entries < 0 or min_tokens < 1:
+            raise ValueError(f"max_entries must be >= 0 and min_tokens >= 1, got {max_entries}, {min_tokens}")
         self.marker = tuple(marker)
         self.max_entries = max_entries
+        self.min_tokens = min_tokens  # shorter heads are not split off: their second pass costs more than they save
         self.hits = 0
         self.misses = 0
         self._entries: OrderedDict[Hashable, PrefixEntry] = OrderedDict()
         self._lock = threading.Lock()
 
     def head_length(self, prompt_ids: Sequence[int]) -> int:
-        """Positions of `prompt_ids` up to and including the last user-turn marker, when some token follows it;
-        else 0 (the prompt is prefilled in one piece, as without a cache)."""
+        """Positions of `prompt_ids` up to and including the last user-turn marker, when that head has at least
+        `min_tokens` and some token follows it; else 0 (the prompt is prefilled in one piece, as without a cache)."""
         marker, width = self.marker, len(self.marker)
         if self.max_entries == 0 or width == 0:
             return 0
         for end in range(len(prompt_ids) - 1, width - 1, -1):  # the head must leave at least one token after it
             if prompt_ids[end - 1] == marker[-1] and tuple(prompt_ids[end - width:end]) == marker:
-                return end
+                return end if end >= self.min_tokens else 0
         return 0
 
     @staticmethod

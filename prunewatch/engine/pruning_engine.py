@@ -33,7 +33,7 @@ from prunewatch.engine.loading import LoadedModel, load_model
 from prunewatch.engine.logprobs import MAX_TOP_LOGPROBS, Scored, TokenLogprob, TokenTexts, score_positions
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.planner import BypassPlan, plan_bypass, validate_request
-from prunewatch.engine.prefix_cache import PrefixCache
+from prunewatch.engine.prefix_cache import HEAD_CHUNK, PrefixCache
 from prunewatch.engine.quality import answer_token_scores, divergence, quality_check, quality_report
 from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
 from prunewatch.engine.signals import memory_pressure
@@ -130,7 +130,8 @@ class PruningEngine:
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.token_texts = TokenTexts(tokenizer)  # token ids as OpenAI clients read them (logprobs)
-        self.prefix_cache = PrefixCache(self._user_turn_marker(), settings.prefix_cache_entries)
+        self.prefix_cache = PrefixCache(self._user_turn_marker(), settings.prefix_cache_entries,
+                                        settings.prefix_cache_min_tokens)
 
     @classmethod
     def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:
@@ -281,40 +282,61 @@ class PruningEngine:
             heads.append(common_start(first, second))
         return common_start(heads[0][::-1], heads[1][::-1])[::-1]
 
-    def _prefill_head(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any) -> int:
-        """Put the prompt's head's keys and values (prunewatch.engine.prefix_cache) in the empty `cache`, from the
-        prefix cache or computed (and stored) by a pass over the head alone, under the current plan; returns the
-        positions filled (0: the prompt has no head, and its prefill runs whole). Runs where the prefill runs (the batcher's
-        stepper, or the request's thread): the thread count that computes a head is part of its key.
+    def _prefill_head(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any,
+                      run: Callable[[Callable[[], Any]], Any] | None = None) -> int:
+        """Put the prompt's head's keys and values (prunewatch.engine.prefix_cache) in the empty `cache`, copied from
+        the prefix cache or computed (and stored) in pieces of HEAD_CHUNK positions; returns the positions filled (0:
+        the prompt has no head, and its prefill runs whole). Each step goes through `run` (the batcher's stepper,
+        one job each, so a long head does not stall decoding; default: here): the thread count that computes a head
+        is part of its key.
 
-        The head is the store's work, done once per plan, not the request's: a pass that computes it counts in a
-        ledger of its own, so a request's counts (and its pruning ratio) are the same whether its head was stored or
-        not, as its tokens are. `cached_prompt_tokens` says which it was."""
+        The head is the store's work, done once per head and cache shape, not the request's: its pieces count in a
+        ledger of their own, so a request's counts (and its pruning ratio) are the same whether its head was stored
+        or not, as its tokens are. `cached_prompt_tokens` says which it was."""
         prefix = self.prefix_cache
         length = prefix.head_length(prompt_ids)
         if length == 0 or not prefix.supports(cache):
             return 0
-        key = (tuple(prompt_ids[:length]), plan, torch.get_num_threads())
-        entry = prefix.lookup(key)
-        if entry is not None:
-            prefix.fill(cache, entry)
-            ledger.cached_prompt_tokens += length
-            return length
-        model: Any = self.loaded.model
-        device = self.loaded.device
-        with executing(plan, ExecutionLedger()):
-            model(input_ids=torch.tensor([prompt_ids[:length]], device=device), cache=cache, use_cache=True,
-                  position_ids=torch.arange(length, device=device)[None], logits_to_keep=1)
-        prefix.store(key, cache, length)
+        run = run or (lambda fn: fn())
+        if not run(functools.partial(self._copy_head, prompt_ids[:length], plan, ledger, cache)):
+            for start in range(0, length, HEAD_CHUNK):
+                run(functools.partial(self._compute_head_piece, prompt_ids[:length], start, plan, cache))
         return length
 
-    def _prefill_chunk(self, prompt_ids: list[int], start: int, chunk: int, keep: int, plan: ExecutionPlan,
-                       ledger: ExecutionLedger, cache: Any, use_head: bool) -> tuple[int, Any]:
-        """Prefill up to `chunk` prompt positions from `start` into `cache`; the first chunk (`use_head`) starts
-        after the prompt's head, whose keys and values it puts in first (_prefill_head). Returns the positions
-        filled so far and the model's output."""
-        if start == 0 and use_head:
-            start = self._prefill_head(prompt_ids, plan, ledger, cache)
+    def _head_key(self, head_ids: list[int], plan: ExecutionPlan) -> tuple[tuple[int, ...], ExecutionPlan, int]:
+        """The head's key in the prefix cache, with the plan it runs under: the request's plan without activation
+        sparsity (a prefill's products run dense either way, masked or not, so requests whose plans differ only in
+        their sparsity targets, as the default's adaptive targets do for nearly every prompt, share it; what shapes
+        the cache, bypassed blocks and gated heads, stays), and this thread's intra-op thread count."""
+        plan = replace(plan, activation_sparsity=0.0, layer_sparsity=(), output_head_sparsity=0.0,
+                       output_head_row_kernel=False)
+        return tuple(head_ids), plan, torch.get_num_threads()
+
+    def _copy_head(self, head_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any) -> bool:
+        """Copy the stored head into `cache`; False when the store does not hold it."""
+        entry = self.prefix_cache.lookup(self._head_key(head_ids, plan))
+        if entry is None:
+            return False
+        self.prefix_cache.fill(cache, entry)
+        ledger.cached_prompt_tokens += len(head_ids)
+        return True
+
+    def _compute_head_piece(self, head_ids: list[int], start: int, plan: ExecutionPlan, cache: Any) -> None:
+        """Head positions from `start`, HEAD_CHUNK at most, into `cache`, in a ledger of their own; the last piece
+        stores the head."""
+        key = self._head_key(head_ids, plan)
+        end = min(start + HEAD_CHUNK, len(head_ids))
+        model: Any = self.loaded.model
+        device = self.loaded.device
+        with executing(key[1], ExecutionLedger()):
+            model(input_ids=torch.tensor([head_ids[start:end]], device=device), cache=cache, use_cache=True,
+                  position_ids=torch.arange(start, end, device=device)[None], logits_to_keep=1)
+        if end == len(head_ids):
+            self.prefix_cache.store(key, cache, end)
+
+    def _prefill_chunk(self, prompt_ids: list[int], start: int, chunk: int, keep: int, cache: Any) -> tuple[int, Any]:
+        """Prefill up to `chunk` prompt positions from `start` into `cache`; returns the positions filled so far and
+        the model's output."""
         device = self.loaded.device
         piece = torch.tensor([prompt_ids[start:start + chunk]], device=device)  # (1, <= chunk)
         positions = torch.arange(start, start + piece.shape[1], device=device)[None]
@@ -511,10 +533,9 @@ class PruningEngine:
         with executing(plan, ledger), batcher.sequence(plan, ledger, cache,
                                                        kv_tokens=len(prompt_ids) + max_new_tokens) as sequence:
             out = None
-            start = 0
+            start = 0 if score_prompt else self._prefill_head(prompt_ids, plan, ledger, cache, run=sequence.run)
             while start < len(prompt_ids):  # one job on the stepper per chunk
-                start, out = sequence.run(functools.partial(
-                    self._prefill_chunk, prompt_ids, start, chunk, keep, plan, ledger, cache, not score_prompt))
+                start, out = sequence.run(functools.partial(self._prefill_chunk, prompt_ids, start, chunk, keep, cache))
                 ledger.kv_bytes_read += int(executed_blocks * start * self._kv_bytes_per_token_per_layer)
             assert out is not None  # the prompt is never empty
             ledger.end_prefill()

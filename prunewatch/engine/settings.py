@@ -222,11 +222,20 @@ class EngineSettings(BaseSettings):
         8, ge=0, le=1024,
         description=(
             "Computed chat-prompt heads kept for reuse (prunewatch/engine/prefix_cache.py): a chat prompt's head is "
-            "everything up to its last user turn (the system prompt, default or its own, and any earlier turns); a "
-            "prompt whose head was computed before under the same plan prefills the rest only, after the head's "
-            "keys and values copied from the store. One entry per head, plan and thread count, least recently used "
-            "evicted. Chat prompts are always prefilled split at the head, so a request gets the same tokens whether "
-            "its head was stored or not. 0 turns it off."),
+            "everything up to its last user turn (the system prompt, default or its own, and any earlier turns). "
+            "Heads are computed without activation sparsity (a prefill's products run dense either way), under the "
+            "rest of the request's plan; a prompt whose head was computed before with the same bypassed blocks and "
+            "gated heads prefills the rest only, after the head's keys and values copied from the store. One entry "
+            "per head, cache shape and thread count, least recently used evicted. Chat prompts are always "
+            "prefilled split at the head, so a request gets the same tokens whether its head was stored or not. "
+            "0 turns it off."),
+    )
+    prefix_cache_min_tokens: int = Field(
+        64, ge=1, le=1_000_000,
+        description=(
+            "The shortest head the prefix cache splits off and keeps. A prefill pays a whole forward pass however few "
+            "its rows, so a shorter head's own pass, whenever it is not stored yet, costs more than later hits save "
+            "(bench/results/prefix-cache-cpu.json: `prunewatch bench prefix-cache`)."),
     )
     dram_profile: Path | None = Field(
         None,

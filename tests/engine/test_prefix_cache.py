@@ -3,6 +3,8 @@ tokens and logits whether its head came from the store or was computed for it.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -32,8 +34,13 @@ def test_the_head_ends_after_the_last_user_turn_marker_and_leaves_a_token() -> N
     assert cache.head_length([7, 8, 5]) == 2
     assert PrefixCache([], max_entries=2).head_length([7, 8, 5]) == 0
     assert PrefixCache([7, 8], max_entries=0).head_length([7, 8, 5]) == 0
+    assert PrefixCache([7, 8], max_entries=2, min_tokens=4).head_length([1, 7, 8, 5, 7, 8, 6]) == 6
+    assert PrefixCache([7, 8], max_entries=2, min_tokens=4).head_length([1, 7, 8, 5]) == 0  # too short to split
+    assert PrefixCache([7, 8], max_entries=2, min_tokens=3).head_length([1, 7, 8, 5]) == 3
     with pytest.raises(ValueError, match="max_entries"):
         PrefixCache([5], max_entries=-1)
+    with pytest.raises(ValueError, match="min_tokens"):
+        PrefixCache([5], max_entries=1, min_tokens=0)
 
 
 def test_entries_are_copies_evicted_least_recently_used_first(probe_engine) -> None:
@@ -64,6 +71,30 @@ def test_entries_are_copies_evicted_least_recently_used_first(probe_engine) -> N
     assert store.entries == 0 and store.lookup("a") is None
 
 
+@pytest.fixture
+def probe_engine(probe_engine):
+    """The session's probe engine with every head split off: its system prompts' heads are shorter than the
+    setting's default minimum (tests/engine/test_prefix_cache.py checks that minimum on its own)."""
+    min_tokens = probe_engine.prefix_cache.min_tokens
+    probe_engine.prefix_cache.min_tokens = 1
+    yield probe_engine
+    probe_engine.prefix_cache.min_tokens = min_tokens
+    probe_engine.prefix_cache.clear()
+
+
+def test_heads_shorter_than_the_minimum_are_prefilled_whole(probe_engine) -> None:
+    engine = probe_engine
+    ids = engine.render_prompt(QUESTION, SYSTEM)
+    head = engine.prefix_cache.head_length(ids)
+    engine.prefix_cache.min_tokens = head + 1
+    engine.prefix_cache.clear()
+    assert engine.prefix_cache.head_length(ids) == 0
+    runs = [engine.generate(QUESTION, system=SYSTEM, max_new_tokens=4) for _ in range(2)]
+    assert [r.stats.cached_prompt_tokens for r in runs] == [0, 0] and engine.prefix_cache.entries == 0
+    engine.prefix_cache.min_tokens = head
+    assert engine.prefix_cache.head_length(ids) == head
+
+
 def _first_logits(engine, ids: list[int], plan: ExecutionPlan) -> tuple[torch.Tensor, list[int], int, tuple]:
     """The first tokens' log-probabilities, the tokens, the positions the prefix cache filled, and the counts."""
     ledger = ExecutionLedger()
@@ -86,8 +117,12 @@ def test_a_hit_gives_the_bits_a_miss_computes(probe_engine) -> None:
     assert missed[2] == 0 and hit[2] == head
     assert hit[1] == missed[1] and torch.equal(hit[0], missed[0])
     assert hit[3] == missed[3]  # the head is the store's work: a request counts the same, stored or not
-    # Another plan is another entry: the head's keys and values depend on what the pass skipped.
-    assert _first_logits(engine, ids, ExecutionPlan())[2] == 0 and engine.prefix_cache.entries == 2
+    # Heads run without activation sparsity: a plan that differs only in its targets shares the entry; one that
+    # bypasses other blocks shapes the cache differently, and gets its own.
+    retargeted = replace(plan, activation_sparsity=0.3, layer_sparsity=())
+    assert _first_logits(engine, ids, retargeted)[2] == head
+    assert plan.bypass and _first_logits(engine, ids, ExecutionPlan())[2] == 0
+    assert engine.prefix_cache.entries == 2
 
 
 def test_heads_are_shared_by_their_system_prompt_and_only_by_it(probe_engine) -> None:
@@ -134,3 +169,58 @@ def test_batched_requests_use_the_store_and_decode_what_they_do_in_process(probe
     head = engine.prefix_cache.head_length(engine.render_prompt(QUESTION, SYSTEM))
     assert [r.token_ids for r in served] == [alone.token_ids] * 2
     assert [r.stats.cached_prompt_tokens for r in served] == [head] * 2
+
+
+def test_the_bench_measures_each_configuration_on_the_stepper(probe_engine) -> None:
+    from prunewatch.bench.prefix_cache import CONFIGURATIONS, LONG_SYSTEM, format_table, measure
+
+    engine = probe_engine
+    engine.prefix_cache.min_tokens = 64  # the setting's default: the long system prompt's head splits off
+    questions = [QUESTION, "Which port does SSH listen on?"]
+    prompts = [[{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}] for q in questions]
+    head = engine.prefix_cache.head_length(engine.render_prompt(messages=prompts[0]))
+    assert head >= 64
+    batcher = engine.new_batcher(2, threads=1)
+    try:
+        rows = measure(engine, batcher, prompts, rounds=1)
+    finally:
+        batcher.close()
+    assert list(rows) == list(CONFIGURATIONS)
+    assert rows["off"]["cached_share"] == rows["cold"]["cached_share"] == 0.0 and rows["off"]["vs_off"] == 1.0
+    tokens = rows["off"]["mean_prompt_tokens"]
+    assert rows["served"]["cached_share"] == rows["served, every head"]["cached_share"] == round(head / tokens, 3)
+    assert all(row["prefill_ms_median"] > 0 and row["prompts"] == 2 for row in rows.values())
+    assert (engine.prefix_cache.max_entries, engine.prefix_cache.min_tokens) == (8, 64)  # settings restored
+    table = format_table({"sets": {"long": rows}})
+    assert table.count("\n") == 1 + len(CONFIGURATIONS) and "| long | served |" in table
+
+
+def test_a_head_is_computed_in_pieces_and_any_path_computes_the_same_entry(probe_engine, monkeypatch) -> None:
+    """The batcher computes a head one piece per job; the entry one path stored serves the other with the tokens the
+    other computes itself."""
+    import math
+
+    from prunewatch.engine import pruning_engine
+
+    monkeypatch.setattr(pruning_engine, "HEAD_CHUNK", 4)
+    engine = probe_engine
+    head = engine.prefix_cache.head_length(engine.render_prompt(QUESTION, SYSTEM))
+    threads = torch.get_num_threads()
+
+    def batched() -> tuple[list[int], int, int]:
+        batcher = engine.new_batcher(2, threads=threads)
+        try:
+            result = engine.generate(QUESTION, system=SYSTEM, max_new_tokens=6, sensitivity=0.0, batcher=batcher)
+            return result.token_ids, result.stats.cached_prompt_tokens, batcher.stepper_time().jobs
+        finally:
+            batcher.close()
+
+    engine.prefix_cache.clear()
+    in_process = engine.generate(QUESTION, system=SYSTEM, max_new_tokens=6, sensitivity=0.0)
+    assert in_process.stats.cached_prompt_tokens == 0
+    copied = batched()  # the entry the request's own thread computed
+    engine.prefix_cache.clear()
+    computed = batched()
+    assert copied[:2] == (in_process.token_ids, head) and computed[:2] == (in_process.token_ids, 0)
+    # a lookup, the head's pieces, then the rest of the prompt in one chunk
+    assert (copied[2], computed[2]) == (2, 1 + math.ceil(head / 4) + 1)

@@ -833,11 +833,17 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(http: httpx.Clie
         assert response.status_code == 200, response.text
         return response.json()["usage"]
 
-    head = engine.prefix_cache.head_length(engine.render_prompt(messages=CHAT))
-    assert head > 0
-    usage("/v1/chat/completions", {"messages": CHAT})
-    sample = ("prunewatch_prompt_tokens_cached_total", {"model": engine.name})
-    before = registry.get_sample_value(*sample) or 0.0
-    assert usage("/v1/chat/completions", {"messages": CHAT})["prompt_tokens_details"] == {"cached_tokens": head}
-    assert registry.get_sample_value(*sample) == before + head
-    assert usage("/v1/completions", {"prompt": PROMPT})["prompt_tokens_details"] == {"cached_tokens": 0}
+    min_tokens = engine.prefix_cache.min_tokens
+    engine.prefix_cache.min_tokens = 1  # CHAT's head is shorter than the default minimum
+    try:
+        head = engine.prefix_cache.head_length(engine.render_prompt(messages=CHAT))
+        assert head > 0
+        usage("/v1/chat/completions", {"messages": CHAT})
+        sample = ("prunewatch_prompt_tokens_cached_total", {"model": engine.name})
+        before = registry.get_sample_value(*sample) or 0.0
+        assert usage("/v1/chat/completions", {"messages": CHAT})["prompt_tokens_details"] == {"cached_tokens": head}
+        assert registry.get_sample_value(*sample) == before + head
+        assert usage("/v1/completions", {"prompt": PROMPT})["prompt_tokens_details"] == {"cached_tokens": 0}
+    finally:
+        engine.prefix_cache.min_tokens = min_tokens
+        engine.prefix_cache.clear()
