@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prunewatch.bench import batch_sparsity, frontier, load, mechanisms, precision, speed
+from prunewatch.bench import batch_sparsity, frontier, load, mechanisms, precision, prefix_cache, speed
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -24,6 +24,7 @@ CITED_TABLES: tuple[tuple[str, Callable[[dict], str]], ...] = (
     ("bench/results/precision-cpu.json", precision.format_table),
     ("bench/results/load-cpu.json", load.format_table),
     ("bench/results/batch-sparsity-cpu.json", batch_sparsity.format_table),
+    ("bench/results/prefix-cache-cpu.json", prefix_cache.format_table),
     ("bench/results/speed-served-cpu.json", speed.format_projection_markdown),
 )
 

@@ -315,7 +315,8 @@ def _with_ratios(series: dict[str, list[dict[str, Any]]]) -> None:
 
 def run(model_dir: Path, *, levels: tuple[int, ...], window_s: float, max_tokens: int, threads: int,
         peer: str | None, llama_cpp_dir: Path | None, out: Path, plot: Path | None,
-        calibration_dir: Path | None = None, gguf: Path | None = None) -> dict[str, Any]:
+        calibration_dir: Path | None = None, gguf: Path | None = None,
+        prefix_cache_entries: int | None = None) -> dict[str, Any]:
     prompts = load_prompts()
     started = time.perf_counter()
     result: dict[str, Any] = {
@@ -325,10 +326,12 @@ def run(model_dir: Path, *, levels: tuple[int, ...], window_s: float, max_tokens
         "model": {"name": model_dir.name, "path": str(model_dir)},
         "levels": list(levels), "window_s": window_s, "max_tokens": max_tokens, "threads": threads,
         "prompts": f"{len(prompts)} held-out evaluation prompts, cycled",
-        "server": "prunewatch serve with its default settings (workers, queue depth, pruning), eager",
+        "server": "prunewatch serve with its default settings (workers, queue depth, pruning), eager"
+                  + ("" if prefix_cache_entries is None else f", prefix_cache_entries={prefix_cache_entries}"),
         "method": METHOD,
     }
-    with ServedModel(model_dir, threads=threads, calibration_dir=calibration_dir) as server:
+    with ServedModel(model_dir, threads=threads, calibration_dir=calibration_dir,
+                     prefix_cache_entries=prefix_cache_entries) as server:
         drain(server)  # warm
         series = run_engine(server, prompts, levels=levels, window_s=window_s, max_tokens=max_tokens)
     if peer is not None:
@@ -449,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "load-cpu.json")
     parser.add_argument("--plot", type=Path, default=RESULTS_DIR / "load-cpu.png")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--prefix-cache-entries", type=int, default=None,
+                        help="the server's prefix_cache_entries (0: no prefix cache; default: the setting's default)")
     parser.add_argument("--peer", choices=[PEER], default=None,
                         help="llama.cpp's llama-server -np N on the model's F32 GGUF at each level")
     parser.add_argument("--llama-cpp-dir", type=Path, default=None,
@@ -460,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.window <= 0 or args.max_tokens < 2:
         parser.error("--window must be > 0 and --max-tokens >= 2")
+    if args.prefix_cache_entries is not None and args.prefix_cache_entries < 0:
+        parser.error("--prefix-cache-entries must be >= 0")
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"no model at {args.model_dir} (run `prunewatch models pull`)")
     if args.gguf is not None and not args.gguf.is_file():
@@ -477,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_tokens=args.max_tokens, threads=threads, peer=args.peer,
                                   llama_cpp_dir=args.llama_cpp_dir, out=args.out,
                                   plot=None if args.no_plot else args.plot, calibration_dir=args.calibration_dir,
-                                  gguf=args.gguf),
+                                  gguf=args.gguf, prefix_cache_entries=args.prefix_cache_entries),
                       format_table, args.out)
 
 if __name__ == "__main__":

@@ -145,10 +145,12 @@ class ServedModel(LoopbackServer):
     label = "prunewatch serve"
 
     def __init__(self, model_dir: Path, *, threads: int, calibration_dir: Path | None = None, device: str = "cpu",
-                 startup_timeout_s: float = 900.0, weights: str | None = None) -> None:
+                 startup_timeout_s: float = 900.0, weights: str | None = None,
+                 prefix_cache_entries: int | None = None) -> None:
         super().__init__(startup_timeout_s)
         self.model_dir, self.threads, self.device = Path(model_dir), threads, device
         self.weights = weights  # EngineSettings.weights of the server (None: the environment's, else fp32)
+        self.prefix_cache_entries = prefix_cache_entries  # EngineSettings' (None: the environment's, else default)
         self.calibration_dir = calibration_dir
 
     def command(self) -> list[str]:
@@ -161,6 +163,8 @@ class ServedModel(LoopbackServer):
         env["PRUNEWATCH_ENGINE_COMPILE_DECODE"] = "false"  # the eager engine, as the in-process runs it is held to
         if self.calibration_dir is not None:
             env["PRUNEWATCH_ENGINE_CALIBRATION_DIR"] = str(self.calibration_dir)
+        if self.prefix_cache_entries is not None:
+            env["PRUNEWATCH_ENGINE_PREFIX_CACHE_ENTRIES"] = str(self.prefix_cache_entries)
         return env
 
     def ready(self, client: httpx.Client) -> bool:

@@ -105,3 +105,14 @@ def test_load_bench_rejects_bad_levels_and_a_missing_llama_server(probe_model_di
     with pytest.raises(SystemExit) as exit_info:
         load.main(["--model-dir", str(probe_model_dir), "--gguf", str(tmp_path / "missing.gguf")])
     assert exit_info.value.code == 2 and "no GGUF at" in capsys.readouterr().err
+
+
+def test_the_server_gets_the_prefix_cache_setting_asked_for(tmp_path, monkeypatch):
+    from prunewatch.bench.served import ServedModel
+    from prunewatch.engine import EngineSettings
+
+    monkeypatch.setenv("PRUNEWATCH_ENGINE_PREFIX_CACHE_ENTRIES", "5")
+    assert ServedModel(tmp_path, threads=1).environment()["PRUNEWATCH_ENGINE_PREFIX_CACHE_ENTRIES"] == "5"
+    env = ServedModel(tmp_path, threads=1, prefix_cache_entries=0).environment()
+    monkeypatch.setenv("PRUNEWATCH_ENGINE_PREFIX_CACHE_ENTRIES", env["PRUNEWATCH_ENGINE_PREFIX_CACHE_ENTRIES"])
+    assert EngineSettings(model_dir=tmp_path).prefix_cache_entries == 0  # what `serve` reads from it
