@@ -226,7 +226,8 @@ class EngineSettings(BaseSettings):
             "Heads are computed without activation sparsity (a prefill's products run dense either way), under the "
             "rest of the request's plan; a prompt whose head was computed before with the same bypassed blocks and "
             "gated heads prefills the rest only, after the head's keys and values copied from the store. One entry "
-            "per head, cache shape and thread count, least recently used evicted. Chat prompts are always "
+            "per head, cache shape and thread count, least recently used evicted; each holds its head's keys and "
+            "values at every layer (SmolLM2-135M: 45 KiB per token). Chat prompts are always "
             "prefilled split at the head, so a request gets the same tokens whether its head was stored or not. "
             "0 turns it off."),
     )

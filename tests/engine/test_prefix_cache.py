@@ -224,3 +224,21 @@ def test_a_head_is_computed_in_pieces_and_any_path_computes_the_same_entry(probe
     assert copied[:2] == (in_process.token_ids, head) and computed[:2] == (in_process.token_ids, 0)
     # a lookup, the head's pieces, then the rest of the prompt in one chunk
     assert (copied[2], computed[2]) == (2, 1 + math.ceil(head / 4) + 1)
+
+
+def test_a_template_that_refuses_system_prompts_leaves_the_cache_off(probe_model_dir, calibration_dir, tmp_path):
+    """Some templates raise on a system message; the engine then loads without a prefix cache."""
+    import shutil
+
+    from prunewatch.engine import EngineSettings, PruningEngine
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(probe_model_dir, model_dir)
+    template = model_dir / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}"
+                        "{{ m['content'] }}\n{% endfor %}")
+    engine = PruningEngine.load(EngineSettings(model_dir=model_dir, device="cpu", calibration_dir=calibration_dir,
+                                               log_level="NONE"))
+    assert engine.prefix_cache.marker == () and engine.prefix_cache.head_length(engine.render_prompt("Hi")) == 0
+    assert engine.generate("Hi", max_new_tokens=2).stats.cached_prompt_tokens == 0
