@@ -73,9 +73,10 @@ class ExecutionPlan:
     # Every row of a call with few rows is computed as it would be alone, whatever the other rows are: dense
     # products of wrapped layers and of the output head run through the engine's own products (csrc/fp32_dense.cpp
     # for fp32 weights: each row's sums in the same order at any row count) instead of BLAS (whose GEMM blocking,
-    # and so its rounding, changes with the row count). Set for requests decoded together (prunewatch.engine.batching), so a dense request's tokens do
-    # not depend on who shares its steps, and for eager decoding on the CPU alone (PruningEngine._decode), so a
-    # request decodes the same tokens in process as served.
+    # and so its rounding, changes with the row count). Set for requests decoded together
+    # (prunewatch.engine.batching), so a dense request's tokens do not depend on who shares its steps, and for
+    # eager decoding on the CPU alone (PruningEngine._decode), so a request decodes the same tokens in process as
+    # served.
     row_invariant: bool = False
 
     def __post_init__(self) -> None:

@@ -56,10 +56,6 @@ class PrefixEntry:
     keys: tuple[torch.Tensor | None, ...]
     values: tuple[torch.Tensor | None, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
-
 
 class PrefixCache:
     """At most `max_entries` computed heads (per head, cache shape and thread count), least recently used evicted first;
@@ -71,8 +67,6 @@ class PrefixCache:
         self.marker = tuple(marker)
         self.max_entries = max_entries
         self.min_tokens = min_tokens  # shorter heads are not split off: their second pass costs more than they save
-        self.hits = 0
-        self.misses = 0
         self._entries: OrderedDict[Hashable, PrefixEntry] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -96,11 +90,8 @@ class PrefixCache:
     def lookup(self, key: Hashable) -> PrefixEntry | None:
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
+            if entry is not None:
+                self._entries.move_to_end(key)
             return entry
 
     def store(self, key: Hashable, cache: Any, length: int) -> None:
@@ -134,12 +125,6 @@ class PrefixCache:
     @property
     def entries(self) -> int:
         return len(self._entries)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the stored heads hold."""
-        with self._lock:
-            return sum(entry.nbytes for entry in self._entries.values())
 
     def clear(self) -> None:
         """Forget every head (the weights or what a plan's thresholds mean changed)."""

@@ -52,7 +52,6 @@ def test_entries_are_copies_evicted_least_recently_used_first(probe_engine) -> N
     assert store.lookup("a") is not None  # a is now the most recently used
     store.store("c", sources["c"], 3)  # evicts b
     assert store.lookup("b") is None and store.entries == 2
-    assert (store.hits, store.misses) == (1, 1)
     entry = store.lookup("a")
     assert entry is not None
     sources["a"].layers[0].key_buffer.zero_()  # the entry is a copy, not a view of the request's cache
@@ -62,7 +61,6 @@ def test_entries_are_copies_evicted_least_recently_used_first(probe_engine) -> N
     assert torch.equal(target.layers[-1].values, sources["a"].layers[-1].values)
     first = entry.keys[0]
     assert first is not None and torch.equal(target.layers[0].keys, first) and first.abs().sum() > 0
-    assert store.nbytes == 2 * sum(2 * t.numel() * 4 for t in entry.keys if t is not None)
     with pytest.raises(ValueError, match="empty cache"):
         store.fill(target, entry)
     with pytest.raises(ValueError, match="head's 3"):
