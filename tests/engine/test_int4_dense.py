@@ -42,22 +42,22 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> t
     return (dots * (amax / 32767) * step[None]).sum(dim=1) + (xg.sum(dim=-1)[:, :, None] * minimum[None]).sum(dim=1)
 
 
-def test_the_by_output_layout_pairs_each_byte_with_the_rounded_inputs():
+def test_the_by_output_layout_pairs_the_nibbles_of_16_outputs_with_the_rounded_inputs():
     packed, _, by_output = _layer(64, 96, seed=1)
     runs = packed.reshape(64, 3, 16)
     q = torch.stack((runs & 0xF, runs >> 4), dim=2).reshape(64, 96)  # the sparse kernel's layout, read back
-    assert by_output.shape == (12, 2, 8, 16) and by_output.dtype == torch.uint8
-    low_inputs = [*range(0, 8), *range(16, 24)]  # the rounded inputs' positions 0-15 (csrc/integer_dense.h)
-    high_inputs = [*range(8, 16), *range(24, 32)]  # and 16-31
-    for o, g in ((0, 0), (13, 1), (95, 1), (40, 0)):
-        block = by_output[o // 8, g, o % 8]
-        assert torch.equal(block & 0xF, q[[32 * g + i for i in low_inputs], o])
-        assert torch.equal(block >> 4, q[[32 * g + i for i in high_inputs], o])
+    assert by_output.shape == (6, 2, 8, 32) and by_output.dtype == torch.uint8
+    rounded = [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]  # the rounded order (csrc/integer_dense.h)
+    for o, g, j in ((0, 0, 0), (13, 1, 3), (95, 1, 7), (40, 0, 5)):
+        pair = by_output[o // 16, g, j, 2 * (o % 16):2 * (o % 16) + 2]  # two bytes per output and piece
+        # low nibbles: rounded inputs 4j, 4j + 1; high nibbles: 4j + 2, 4j + 3
+        assert torch.equal(pair & 0xF, q[[32 * g + rounded[4 * j], 32 * g + rounded[4 * j + 1]], o])
+        assert torch.equal(pair >> 4, q[[32 * g + rounded[4 * j + 2], 32 * g + rounded[4 * j + 3]], o])
     with pytest.raises(ValueError, match="uint8"):
         pack_int4_by_output(packed[:48].contiguous())
 
 
-@pytest.mark.parametrize(("shape", "rows"), [((32, 32), 1), ((64, 96), 2), ((576, 192), 3), ((1536, 576), 8)])
+@pytest.mark.parametrize(("shape", "rows"), [((32, 32), 1), ((64, 96), 2), ((576, 192), 3), ((576, 192), 7), ((1536, 576), 8)])
 def test_the_product_is_the_integer_dot_products_of_int16_inputs(kernel, shape, rows):
     packed, scales, by_output = _layer(*shape, seed=rows)
     g = torch.Generator().manual_seed(7)

@@ -55,20 +55,21 @@ def _bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return torch.einsum("rg,go->ro", step, weights)
 
 
-def test_the_by_output_layout_holds_each_outputs_weights_in_the_rounded_order():
-    q, _, by_output = _layer(64, 24, seed=1)
-    assert by_output.shape == (3, 2, 8, 32) and by_output.dtype == torch.int8
-    for o, g in ((0, 0), (13, 1), (23, 1), (9, 0)):
-        block = by_output[o // 8, g, o % 8]
-        assert torch.equal(block, q[32 * g:32 * g + 32, o][ROUNDED_ORDER])
-    assert int8_by_output_fits(576, 192) and not int8_by_output_fits(48, 64) and not int8_by_output_fits(64, 20)
+def test_the_by_output_layout_pairs_the_weights_of_16_outputs_per_pair_of_rounded_inputs():
+    q, _, by_output = _layer(64, 48, seed=1)
+    assert by_output.shape == (3, 2, 16, 32) and by_output.dtype == torch.int8
+    for o, g, j in ((0, 0, 0), (13, 1, 5), (47, 1, 15), (20, 0, 9)):
+        piece = by_output[o // 16, g, j]  # 16 outputs' weights for rounded inputs 2j and 2j + 1, side by side
+        expected = q[[32 * g + ROUNDED_ORDER[2 * j], 32 * g + ROUNDED_ORDER[2 * j + 1]], o]
+        assert torch.equal(piece[2 * (o % 16):2 * (o % 16) + 2], expected)
+    assert int8_by_output_fits(576, 192) and not int8_by_output_fits(48, 64) and not int8_by_output_fits(64, 24)
     with pytest.raises(ValueError, match="int8"):
         pack_int8_by_output(q[:48].contiguous())
     with pytest.raises(ValueError, match="int8"):
         pack_int8_by_output(q.float())
 
 
-@pytest.mark.parametrize(("shape", "rows"), [((32, 8), 1), ((64, 96), 2), ((576, 192), 3), ((1536, 576), 8)])
+@pytest.mark.parametrize(("shape", "rows"), [((32, 16), 1), ((64, 96), 2), ((576, 192), 3), ((576, 192), 7), ((1536, 576), 8)])
 def test_the_product_is_the_integer_dot_products_of_int16_inputs(kernel, shape, rows):
     q, scale, by_output = _layer(*shape, seed=rows)
     g = torch.Generator().manual_seed(7)
@@ -145,14 +146,14 @@ def test_an_int8_output_head_takes_the_dense_product_for_few_rows_and_counts_it_
     from prunewatch.engine.sparse.output_head import ShortlistHead
 
     torch.manual_seed(11)
-    head = ShortlistHead(nn.Linear(64, 200, bias=False), max_kernel_rows=4, weights="int8")
+    head = ShortlistHead(nn.Linear(64, 208, bias=False), max_kernel_rows=4, weights="int8")
     assert head.weight_by_output is not None
     x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(12))
     ledger = ExecutionLedger()
     with torch.no_grad(), executing(ExecutionPlan(), ledger):
         y = head(x)
     assert torch.equal(y[0], kernel(x[0], head.weight_by_output, head.weight_scale, None, 0))
-    assert ledger.executed_flops == ledger.dense_flops == 3 * 2 * 64 * 200
+    assert ledger.executed_flops == ledger.dense_flops == 3 * 2 * 64 * 208
     assert ledger.weight_bytes_read == head.dense_read_bytes
     expected = F.linear(x, dequantize_int8(head.weight_t, head.weight_scale).t())
     assert float((y - expected).abs().max()) < 1e-3  # the int16 rounding of the inputs, nothing more

@@ -79,7 +79,14 @@ def _isa_flags() -> list[str]:
     flags = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
     if capability == "AVX512":
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
+        if _has_avx512_vnni():
+            flags.append("-mavx512vnni")  # the integer products' multiply-add-accumulate (csrc/integer_dense.h)
     return flags
+
+
+def _has_avx512_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI, as torch's own CPU feature detection (cpuinfo) reports it."""
+    return bool(torch.backends.cpu.get_cpu_capability() == "AVX512" and getattr(torch.cpu, "_is_vnni_supported", bool)())
 
 
 def cache_dir() -> Path:

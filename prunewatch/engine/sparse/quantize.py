@@ -50,14 +50,14 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-INT8_OUTPUT_BLOCK = 8  # outputs whose weights the dense int8 product reads together
+OUTPUT_BLOCK = 16  # outputs whose weights the dense integer products (int8 and int4) read together
 
 
 def int8_by_output_fits(in_features: int, out_features: int) -> bool:
     """Whether an int8 layer's dense decode product can read its weights laid out by output
-    (pack_int8_by_output): whole groups of 32 inputs and outputs in blocks of 8. Other layers read the sparse
+    (pack_int8_by_output): whole groups of 32 inputs and outputs in blocks of 16. Other layers read the sparse
     kernel's rows."""
-    return (in_features % INT4_GROUP == 0 and out_features % INT8_OUTPUT_BLOCK == 0 and in_features > 0
+    return (in_features % INT4_GROUP == 0 and out_features % OUTPUT_BLOCK == 0 and in_features > 0
             and out_features > 0)
 
 
@@ -67,18 +67,26 @@ def _rounded_order() -> torch.Tensor:
     return torch.tensor([(0 if j % 16 < 8 else 16) + (0 if j < 16 else 8) + j % 8 for j in range(INT4_GROUP)])
 
 
+def _by_block(codes: torch.Tensor, pieces: int) -> torch.Tensor:
+    """(out, groups, pieces, 2) values per output to (out / 16, groups, pieces, 32): per block of 16 outputs, group
+    and piece, the 16 outputs' two values side by side, output k at 2k and 2k + 1."""
+    out, groups = codes.shape[:2]
+    return codes.reshape(out // OUTPUT_BLOCK, OUTPUT_BLOCK, groups, pieces, 2).permute(0, 2, 3, 1, 4).reshape(
+        out // OUTPUT_BLOCK, groups, pieces, 2 * OUTPUT_BLOCK).contiguous()
+
+
 def pack_int8_by_output(q: torch.Tensor) -> torch.Tensor:
     """The same int8 weights laid out by output for the dense decode product (csrc/int8_dense.cpp):
-    int8 (out / 8, in / 32, 8, 32), where [ob, g, k] holds the 32 weights of output 8 * ob + k in group g, in
-    the order the product rounds the inputs (_rounded_order). A block of 8 outputs is one contiguous run per
-    group, read in order."""
+    int8 (out / 16, in / 32, 16, 32), where [ob, g, j, 2k + t] is the weight of output 16 * ob + k for the input at
+    position 2j + t of the order the product rounds the inputs in (_rounded_order). Widened to int16, a piece holds
+    each of 16 outputs' weights for one pair of inputs in a 32-bit lane of its own. A block of 16 outputs is one
+    contiguous run per group, read in order."""
     if q.dim() != 2 or q.dtype != torch.int8 or not int8_by_output_fits(*q.shape):
         raise ValueError(f"q must be quantize_int8's int8 (in, out) weights with in a multiple of {INT4_GROUP} and "
-                         f"out of {INT8_OUTPUT_BLOCK}, got {tuple(q.shape)} {q.dtype}")
+                         f"out of {OUTPUT_BLOCK}, got {tuple(q.shape)} {q.dtype}")
     rows, out = q.shape
     grouped = q.t().reshape(out, rows // INT4_GROUP, INT4_GROUP)[:, :, _rounded_order()]  # (out, groups, 32)
-    return grouped.reshape(out // INT8_OUTPUT_BLOCK, INT8_OUTPUT_BLOCK, rows // INT4_GROUP, INT4_GROUP).permute(
-        0, 2, 1, 3).contiguous()
+    return _by_block(grouped.reshape(out, rows // INT4_GROUP, INT4_GROUP // 2, 2), INT4_GROUP // 2)
 
 
 def int4_fits(in_features: int, out_features: int) -> bool:
@@ -112,9 +120,6 @@ def quantize_int4(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), torch.stack((step, minimum), dim=1).contiguous()
 
 
-INT4_OUTPUT_BLOCK = 8  # outputs whose weights the dense int4 product reads together
-
-
 def _int4_codes(packed: torch.Tensor) -> torch.Tensor:
     """q (in, out) in 0..15 from quantize_int4's packed (in, out / 2) bytes."""
     rows = packed.shape[0]
@@ -125,20 +130,19 @@ def _int4_codes(packed: torch.Tensor) -> torch.Tensor:
 
 def pack_int4_by_output(packed: torch.Tensor) -> torch.Tensor:
     """The same int4 weights laid out by output for the dense decode product (csrc/int4_dense.cpp):
-    uint8 (out / 8, in / 32, 8, 16), where [ob, g, k] holds the 32 weights of output 8 * ob + k in group g, byte j
-    holding the input at position j of the rounded order (_rounded_order: inputs 0-7, then 16-23) in its low
-    nibble and the one at position j + 16 (inputs 8-15, then 24-31) in its high one. Widened to 16 bits, the low
-    nibbles then pair with the first 16 rounded inputs and the high ones with the last 16. A block of 8 outputs is
-    one contiguous run per group, read in order."""
+    uint8 (out / 16, in / 32, 8, 32), where byte [ob, g, j, 2k + t] holds output 16 * ob + k's weights for the
+    inputs at positions 4j + t (low nibble) and 4j + 2 + t (high nibble) of the rounded order (_rounded_order).
+    Widened to int16, a piece's low nibbles hold each of 16 outputs' weights for the pair of inputs 4j, 4j + 1 in a
+    32-bit lane of its own, and its high nibbles those for 4j + 2, 4j + 3. A block of 16 outputs is one contiguous
+    run per group, read in order."""
     rows, half = packed.shape
     out = half * 2
     if packed.dtype != torch.uint8 or not int4_fits(rows, out):
         raise ValueError(f"packed must be quantize_int4's uint8 (in, out / 2) bytes, got {tuple(packed.shape)} "
                          f"{packed.dtype}")
     q = _int4_codes(packed).t().reshape(out, rows // INT4_GROUP, INT4_GROUP)[:, :, _rounded_order()]
-    by_output = q[:, :, :INT4_GROUP // 2] | (q[:, :, INT4_GROUP // 2:] << 4)  # (out, groups, 16)
-    return by_output.reshape(out // INT4_OUTPUT_BLOCK, INT4_OUTPUT_BLOCK, rows // INT4_GROUP, INT4_GROUP // 2).permute(
-        0, 2, 1, 3).contiguous()
+    quads = q.reshape(out, rows // INT4_GROUP, INT4_GROUP // 4, 4)  # positions 4j .. 4j + 3
+    return _by_block(quads[..., :2] | (quads[..., 2:] << 4), INT4_GROUP // 4)
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
