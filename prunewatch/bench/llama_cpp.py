@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -33,6 +34,10 @@ RUN_TIMEOUT_S = 600
 
 class PeerUnavailableError(RuntimeError):
     """llama.cpp's tools are not built here, or a run of them failed; the message says what to do."""
+
+
+class PeerCrashedError(PeerUnavailableError):
+    """A llama.cpp tool was killed by a signal (a crash, not an error it reported)."""
 
 
 @dataclass(frozen=True)
@@ -114,8 +119,19 @@ def run_tool(command: list[str]) -> str:
         raise PeerUnavailableError(f"{Path(command[0]).name} did not run: {exc}") from exc
     if completed.returncode != 0:
         tail = " | ".join((completed.stderr or completed.stdout).strip().splitlines()[-3:])
-        raise PeerUnavailableError(f"{Path(command[0]).name} exited with {completed.returncode}: {tail}")
+        name = Path(command[0]).name
+        if completed.returncode < 0:
+            raise PeerCrashedError(f"{name} was killed by {_signal_name(-completed.returncode)} "
+                                   f"(exit {completed.returncode}): {tail}")
+        raise PeerUnavailableError(f"{name} exited with {completed.returncode}: {tail}")
     return completed.stdout
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def server_command(llama: LlamaCpp, gguf: Path, *, threads: int, slots: int, port: int, host: str = "127.0.0.1",

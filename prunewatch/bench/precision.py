@@ -43,6 +43,7 @@ from prunewatch.bench._common import RESULTS_DIR, invocation, machine_info
 from prunewatch.bench.llama_cpp import (
     PEER_TYPES,
     LlamaCpp,
+    PeerCrashedError,
     PeerUnavailableError,
     bench_command,
     peer_gguf,
@@ -262,6 +263,20 @@ class PeerRuns:
     def decode_rate(self, precision: str, decoded: int) -> float:
         return peer_decode_rate(run_tool(self.command(precision, decoded)))
 
+    def check(self) -> None:
+        """Decode two tokens at every precision before the rounds, so that a llama-bench that cannot run here
+        fails the benchmark in seconds rather than after the engine's first round. With repacking on, a crash
+        says to turn it off: llama.cpp's repacked quantized paths crash on some CPUs (llama-bench was killed by
+        SIGSEGV on an AVX512-VNNI Xeon, minutes into a run, before this check)."""
+        for precision in self.ggufs:
+            try:
+                self.decode_rate(precision, 2)
+            except PeerCrashedError as exc:
+                if not self.repack:
+                    raise
+                raise PeerCrashedError(f"{exc}; llama.cpp's weight repacking crashes on some CPUs: run again "
+                                       "with --peer-no-repack") from exc
+
     def rows(self, speed: dict[str, dict], decoded: int) -> list[dict]:
         """Per precision: llama.cpp's tokens/s and the engine's dense and default against it, within rounds."""
         rows = []
@@ -290,7 +305,9 @@ def prepare_peer(engines: dict[str, PruningEngine], model_dir: Path, llama_cpp_d
                                    "before the GGUF was kept need `prunewatch models pull` again")
     ggufs = {p: peer_gguf(llama, source, p) for p in engines}
     depth = len(engines["fp32"].render_prompt(PROMPT))
-    return PeerRuns(llama=llama, ggufs=ggufs, threads=threads, depth=depth, repack=repack)
+    runs = PeerRuns(llama=llama, ggufs=ggufs, threads=threads, depth=depth, repack=repack)
+    runs.check()
+    return runs
 
 
 def measure_quality(engines: dict[str, PruningEngine], max_new_tokens: int, probes: int | None) -> dict[str, dict]:

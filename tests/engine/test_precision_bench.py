@@ -82,6 +82,24 @@ def test_precision_bench_puts_llama_cpp_beside_each_precision(probe_model_dir, c
     calls = (tools / "calls.log").read_text().splitlines()
     decodes = [c for c in calls if "-n 3 " in c]  # tokens - 1 decoded, like the engine's runs
     assert len(decodes) == 3 * 2 and all("-t " in c and "-d " in c for c in decodes)
+    assert len([c for c in calls if "-n 2 " in c]) == 3  # the check before the rounds, one per precision
+
+
+def test_a_llama_bench_that_crashes_when_repacking_fails_before_the_rounds_and_says_what_to_do(
+        probe_model_dir, calibration_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = probe_model_with_gguf(probe_model_dir, tmp_path / "model")
+    tools = fake_llama_cpp(tmp_path / "llama.cpp", RECORDED, crash_on_repack=True)
+    args = ["--model-dir", str(model), "--tokens", "4", "--rounds", "1", "--probes", "2", "--max-new-tokens", "3",
+            "--calibration-dir", str(calibration_dir), "--out", str(tmp_path / "precision.json"), "--no-plot",
+            "--no-compiled", "--no-served", "--peer", "llama.cpp", "--llama-cpp-dir", str(tools)]
+    assert precision.main(args) == 2
+    error = capsys.readouterr().err
+    assert "llama-bench was killed by SIGSEGV (exit -11)" in error and "--peer-no-repack" in error
+    calls = (tools / "calls.log").read_text().splitlines()
+    assert not [c for c in calls if "-n 3 " in c]  # no round ran
+    assert precision.main([*args, "--peer-no-repack"]) == 0
+    assert json.loads((tmp_path / "precision.json").read_text())["peer"]["repack"] is False
 
 
 def test_precision_bench_peer_without_a_build_is_one_error_line(probe_model_dir, tmp_path, capsys):

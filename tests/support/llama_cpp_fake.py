@@ -50,8 +50,9 @@ except KeyboardInterrupt:
 '''
 
 
-def fake_llama_cpp(folder: Path, recorded_bench: list[dict]) -> Path:
-    """A llama.cpp "build" in folder/bin whose llama-bench prints `recorded_bench`; returns `folder`."""
+def fake_llama_cpp(folder: Path, recorded_bench: list[dict], crash_on_repack: bool = False) -> Path:
+    """A llama.cpp "build" in folder/bin whose llama-bench prints `recorded_bench` (or, with `crash_on_repack`,
+    kills itself with SIGSEGV when asked to repack, as the real one does on some CPUs); returns `folder`."""
     bin_dir = folder / "bin"
     bin_dir.mkdir(parents=True)
     log = str(folder / "calls.log")
@@ -59,7 +60,9 @@ def fake_llama_cpp(folder: Path, recorded_bench: list[dict]) -> Path:
         "llama-quantize": "import shutil, sys\nshutil.copyfile(sys.argv[-3], sys.argv[-2])\n",
         "llama-bench": (f"import json, sys\nopen({log!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
                         "if '--version' in sys.argv: print('version: 0 (test)'); sys.exit(0)\n"
-                        f"print(json.dumps({recorded_bench!r}))\n"),
+                        + ("import os, signal\nif sys.argv[sys.argv.index('--repack') + 1] == '1': "
+                           "os.kill(os.getpid(), signal.SIGSEGV)\n" if crash_on_repack else "")
+                        + f"print(json.dumps({recorded_bench!r}))\n"),
         "llama-server": f"LOG = {log!r}\n{_SERVER}",
     }
     for name, body in scripts.items():
