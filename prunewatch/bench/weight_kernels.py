@@ -44,19 +44,30 @@ METHOD = {
     "head": "measured: the int8 output head, one token row, median ms of its dense integer product and of its "
             "shortlist at each input sparsity (1024 exact candidates), each call under an execution plan as in a "
             "decode step; vs_dense above 1: faster than the dense head",
+    "step": "measured: ms per decode step's worth of products from DRAM (every projection of every block of the "
+            "model's shape, each with random weights of its own, called once per step in order), at 1, 4 and 8 token "
+            "rows, median over repetitions in rotating order; gb_per_s: the weights' and scales' bytes over that "
+            "time; vs_fp32: the fp32 step's median time over this one's",
     "break_even": "computed from the medians: the input sparsity at which the sparse kernel's time falls to the "
                   "dense integer product's, linear between the timed sparsities (0: the whole row kernel); None: not "
                   "reached by 0.85",
 }
 
 
-def layer_shapes(model_dir: Path) -> list[tuple[int, int]]:
-    """Distinct (in, out) shapes of a Llama-style model's seven projections per block, from its config."""
+def block_shapes(model_dir: Path) -> list[tuple[int, int]]:
+    """(in, out) of a Llama-style block's seven projections in call order (q, k, v, o, gate, up, down), from its
+    config."""
     config = json.loads((model_dir / "config.json").read_text())
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     kv = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
-    return sorted({(hidden, hidden), (hidden, kv), (hidden, inner), (inner, hidden)})
+    return [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, inner), (hidden, inner),
+            (inner, hidden)]
+
+
+def layer_shapes(model_dir: Path) -> list[tuple[int, int]]:
+    """Distinct (in, out) shapes of a Llama-style model's seven projections per block."""
+    return sorted(set(block_shapes(model_dir)))
 
 
 def _products(n_in: int, n_out: int, seed: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
@@ -134,6 +145,65 @@ def break_even(medians: dict[str, float], fmt: str) -> float | None:
     return None
 
 
+STEP_KERNELS = ("fp32 F.linear", "engine int8 dense", "engine int4 dense")
+"""The products a decode step's dense plan runs, timed over a whole step's weights."""
+STEP_ROWS = (1, 4, 8)
+
+
+def step_times(model_dir: Path, reps: int) -> dict:
+    """A decode step's worth of weight products: every projection of every block, each with weights of its own.
+
+    Why: the per-shape rows above repeat one layer, whose weights stay in cache; in a decode step every weight
+    comes from DRAM once, so a product's speed there is how fast it streams its weights, which the cached rows
+    do not show (a call's stream is one layer, short for the hardware prefetcher)."""
+    import torch
+    import torch.nn.functional as F
+
+    from prunewatch.engine.sparse.kernel import int4_dense_kernel, int8_dense_kernel
+    from prunewatch.engine.sparse.quantize import (
+        pack_int4_by_output,
+        pack_int8_by_output,
+        quantize_int4,
+        quantize_int8,
+    )
+
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    shapes = block_shapes(model_dir) * layers
+    g = torch.Generator().manual_seed(len(shapes))
+    fp32, int8, int4 = [], [], []
+    for n_in, n_out in shapes:
+        weight = torch.randn(n_out, n_in, generator=g) / n_in ** 0.5
+        q8, s8 = quantize_int8(weight.t().contiguous())
+        q4, s4 = quantize_int4(weight.t().contiguous())
+        fp32.append(weight)
+        int8.append((pack_int8_by_output(q8), s8))
+        int4.append((pack_int4_by_output(q4), s4))
+    int8_dense, int4_dense = int8_dense_kernel("cpu"), int4_dense_kernel("cpu")
+    read_bytes = {"fp32 F.linear": sum(w.numel() * 4 for w in fp32),
+                  "engine int8 dense": sum(q.numel() + s.numel() * 4 for q, s in int8),
+                  "engine int4 dense": sum(q.numel() + s.numel() * 2 for q, s in int4)}
+    steps: dict[str, Callable[[dict], object]] = {
+        "fp32 F.linear": lambda xs: [F.linear(xs[w.shape[1]], w) for w in fp32],
+        "engine int8 dense": lambda xs: [int8_dense(xs[q.shape[1] * 32], q, s, None, 0) for q, s in int8],
+        "engine int4 dense": lambda xs: [int4_dense(xs[q.shape[1] * 32], q, s, None, 0) for q, s in int4]}
+    by_rows: dict[str, dict] = {}
+    for rows in STEP_ROWS:
+        inputs = {n: torch.randn(rows, n, generator=g) for n in {n_in for n_in, _ in shapes}}
+        times: dict[str, list[float]] = {name: [] for name in STEP_KERNELS}
+        for r in range(reps + 1):  # the first round warms up
+            for name in STEP_KERNELS[r % len(STEP_KERNELS):] + STEP_KERNELS[:r % len(STEP_KERNELS)]:
+                started = time.perf_counter()
+                steps[name](inputs)
+                if r > 0:
+                    times[name].append((time.perf_counter() - started) * 1e3)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        by_rows[str(rows)] = {name: {"ms": round(ms, 3), "gb_per_s": round(read_bytes[name] / ms / 1e6, 2),
+                                     "vs_fp32": round(medians["fp32 F.linear"] / ms, 3)}
+                              for name, ms in medians.items()}
+    return {"layers": layers, "projections": len(shapes),
+            "mb": {name: round(value / 1e6, 1) for name, value in read_bytes.items()}, "rows": by_rows}
+
+
 HEAD_LEVELS = (0.5, 0.7, 0.9)
 """Input sparsities at which the int8 output head's shortlist is timed against its dense integer product."""
 
@@ -199,7 +269,7 @@ def run(model_dir: Path, reps: int, threads: int | None, out: Path) -> dict:
                      "break_even": {fmt: break_even(medians, fmt) for fmt in ("int8", "int4")}})
     result = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": invocation("kernels"),
               "machine": machine_info("cpu"), "model": model_dir.name, "reps": reps, "method": METHOD, "rows": rows,
-              "head": head_times(model_dir, reps)}
+              "head": head_times(model_dir, reps), "step": step_times(model_dir, reps)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -220,6 +290,14 @@ def format_table(result: dict) -> str:
     head = result["head"]
     lines.append(f"int8 head {head['in']}x{head['out']}: " + ", ".join(
         f"{name} {ms:.2f} ms ({head['vs_dense'][name]:.2f}x)" for name, ms in head["ms"].items()))
+    step = result.get("step")
+    if step is not None:
+        lines.append(f"a decode step's products from DRAM ({step['projections']} projections; "
+                     + ", ".join(f"{name.removeprefix('engine ')} {mb} MB" for name, mb in step["mb"].items()) + "):")
+        for rows, kernels in step["rows"].items():
+            lines.append(f"  {rows} rows: " + ", ".join(
+                f"{name.removeprefix('engine ')} {k['ms']:.2f} ms ({k['gb_per_s']:.1f} GB/s, {k['vs_fp32']:.2f}x)"
+                for name, k in kernels.items()))
     return "\n".join(lines)
 
 

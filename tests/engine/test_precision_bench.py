@@ -128,6 +128,16 @@ def test_weight_kernel_bench_times_every_kernel_on_every_layer_shape(probe_model
     assert (head["in"], head["out"]) == (192, 4096)  # the probe model's hidden size and vocabulary
     assert set(head["ms"]) == {"dense", "shortlist 0.50", "shortlist 0.70", "shortlist 0.90"}
     assert head["vs_dense"]["dense"] == 1.0 and all(ms > 0 for ms in head["ms"].values())
+    step = result["step"]  # a whole step's products, each projection with weights of its own
+    layers = json.loads((probe_model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert step["layers"] == layers and step["projections"] == 7 * layers
+    assert step["mb"]["engine int8 dense"] < step["mb"]["fp32 F.linear"] / 3  # a byte and a scale per output each
+    assert step["mb"]["engine int4 dense"] < step["mb"]["engine int8 dense"]
+    assert set(step["rows"]) == {"1", "4", "8"}
+    for kernels in step["rows"].values():
+        assert set(kernels) == set(weight_kernels.STEP_KERNELS) and kernels["fp32 F.linear"]["vs_fp32"] == 1.0
+        assert all(k["ms"] > 0 and k["gb_per_s"] > 0 for k in kernels.values())
+    assert "a decode step's products from DRAM" in weight_kernels.format_table(result)
 
 
 def test_the_break_even_sparsity_is_where_the_sparse_kernel_meets_the_dense_product():
