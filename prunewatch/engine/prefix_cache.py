@@ -31,6 +31,7 @@ cache holds layers other than transformers' plain ones (sliding windows, linear 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -41,6 +42,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from prunewatch.engine.kv_cache import ReservedLayer
+
+logger = logging.getLogger("prunewatch.engine.prefix_cache")
 
 # Heads are computed in pieces of this many positions, wherever they are computed (the batcher's stepper, one job
 # per piece, or a request's own thread): a long head does not stall the decoding requests, and its keys and values
@@ -56,25 +59,39 @@ class PrefixEntry:
     keys: tuple[torch.Tensor | None, ...]
     values: tuple[torch.Tensor | None, ...]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory its keys and values hold."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
 
 class PrefixCache:
-    """At most `max_entries` computed heads (per head, cache shape and thread count), least recently used evicted first;
-    thread-safe. `max_entries` 0, or an empty marker, turns it off."""
+    """At most `max_entries` computed heads (per head, cache shape and thread count) holding at most `max_bytes` of keys
+    and values together, least recently used evicted first; thread-safe. `max_entries` 0, `max_bytes` 0, or an empty
+    marker, turns it off. A head larger than `max_bytes` alone is computed for its request and not kept.
 
-    def __init__(self, marker: Sequence[int], max_entries: int, min_tokens: int = 1) -> None:
-        if max_entries < 0 or min_tokens < 1:
-            raise ValueError(f"max_entries must be >= 0 and min_tokens >= 1, got {max_entries}, {min_tokens}")
+    Why a byte bound beside the count: an entry's size grows with its head (every layer's keys and values, 45 KiB per
+    token on SmolLM2-135M, about 0.5 MiB on a 7B Llama), so a count alone bounds nothing when system prompts are long
+    or earlier turns pile up in the head."""
+
+    def __init__(self, marker: Sequence[int], max_entries: int, min_tokens: int = 1,
+                 max_bytes: int | None = None) -> None:
+        if max_entries < 0 or min_tokens < 1 or (max_bytes is not None and max_bytes < 0):
+            raise ValueError(f"max_entries and max_bytes must be >= 0 and min_tokens >= 1, got {max_entries}, "
+                             f"{max_bytes}, {min_tokens}")
         self.marker = tuple(marker)
         self.max_entries = max_entries
+        self.max_bytes = max_bytes  # None: bounded by the count alone
         self.min_tokens = min_tokens  # shorter heads are not split off: their second pass costs more than they save
         self._entries: OrderedDict[Hashable, PrefixEntry] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def head_length(self, prompt_ids: Sequence[int]) -> int:
         """Positions of `prompt_ids` up to and including the last user-turn marker, when that head has at least
         `min_tokens` and some token follows it; else 0 (the prompt is prefilled in one piece, as without a cache)."""
         marker, width = self.marker, len(self.marker)
-        if self.max_entries == 0 or width == 0:
+        if self.max_entries == 0 or self.max_bytes == 0 or width == 0:
             return 0
         for end in range(len(prompt_ids) - 1, width - 1, -1):  # the head must leave at least one token after it
             if prompt_ids[end - 1] == marker[-1] and tuple(prompt_ids[end - width:end]) == marker:
@@ -107,11 +124,19 @@ class PrefixCache:
         entry = PrefixEntry(tuple(layer.keys.clone() if positions else None for layer, positions in zip(layers, filled)),
                             tuple(layer.values.clone() if positions else None
                                   for layer, positions in zip(layers, filled)))
+        if self.max_bytes is not None and entry.nbytes > self.max_bytes:
+            logger.debug("a %d-position head (%d bytes) is over the prefix cache's %d bytes: not kept", length,
+                         entry.nbytes, self.max_bytes)
+            return
         with self._lock:
+            replaced = self._entries.pop(key, None)
+            if replaced is not None:
+                self._bytes -= replaced.nbytes
             self._entries[key] = entry
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._bytes += entry.nbytes
+            while len(self._entries) > self.max_entries or (self.max_bytes is not None and self._bytes > self.max_bytes):
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
 
     @staticmethod
     def fill(cache: Any, entry: PrefixEntry) -> None:
@@ -126,7 +151,13 @@ class PrefixCache:
     def entries(self) -> int:
         return len(self._entries)
 
+    @property
+    def bytes(self) -> int:
+        """Memory the kept heads' keys and values hold."""
+        return self._bytes
+
     def clear(self) -> None:
         """Forget every head (the weights or what a plan's thresholds mean changed)."""
         with self._lock:
             self._entries.clear()
+            self._bytes = 0

@@ -131,7 +131,7 @@ class PruningEngine:
         self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.token_texts = TokenTexts(tokenizer)  # token ids as OpenAI clients read them (logprobs)
         self.prefix_cache = PrefixCache(self._user_turn_marker(), settings.prefix_cache_entries,
-                                        settings.prefix_cache_min_tokens)
+                                        settings.prefix_cache_min_tokens, max_bytes=settings.prefix_cache_mib * 2**20)
 
     @classmethod
     def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:

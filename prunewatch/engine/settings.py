@@ -231,6 +231,14 @@ class EngineSettings(BaseSettings):
             "prefilled split at the head, so a request gets the same tokens whether its head was stored or not. "
             "0 turns it off."),
     )
+    prefix_cache_mib: int = Field(
+        256, ge=0, le=1_048_576,
+        description=(
+            "Memory the prefix cache's heads may hold together, in MiB, beside prefix_cache_entries: least recently "
+            "used heads are evicted until both bounds hold, and a head larger than the whole budget is computed for "
+            "its request and not kept. An entry grows with its head (SmolLM2-135M: 45 KiB per token, so 256 MiB hold "
+            "about 5800 positions of heads), which a count alone does not bound. 0 turns the cache off."),
+    )
     prefix_cache_min_tokens: int = Field(
         64, ge=1, le=1_000_000,
         description=(

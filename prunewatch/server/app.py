@@ -49,6 +49,8 @@ def create_app(engine: PruningEngine, settings: ServerSettings | None = None,
                        "the API accepts every request")
     metrics = ServerMetrics(engine.name, registry)
     metrics.set_queue_limit(settings.queue_depth)
+    prefix_cache = engine.prefix_cache
+    metrics.watch_prefix_cache(lambda: prefix_cache.bytes, lambda: prefix_cache.entries, prefix_cache.max_bytes)
     # With more than one worker the requests' threads only detokenize and stream (one intra-op thread each): every
     # forward pass runs on the batcher's stepper, which holds the cores.
     batcher = (engine.new_batcher(settings.workers, kv_budget_bytes=settings.kv_cache_mib * 2**20)

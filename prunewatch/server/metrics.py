@@ -104,12 +104,29 @@ class ServerMetrics:
             check_metric_name("prunewatch_kv_cache_budget_bytes"),
             "Configured KV cache budget of the batched requests; a request waits for room beyond it.", ["model"],
             registry=r)
+        self.prefix_cache_bytes = Gauge(
+            check_metric_name("prunewatch_prefix_cache_bytes"),
+            "Keys and values the prefix cache holds for stored chat-prompt heads.", ["model"], registry=r)
+        self.prefix_cache_entries = Gauge(
+            check_metric_name("prunewatch_prefix_cache_entries"),
+            "Chat-prompt heads the prefix cache holds.", ["model"], registry=r)
+        self.prefix_cache_budget = Gauge(
+            check_metric_name("prunewatch_prefix_cache_budget_bytes"),
+            "Configured memory bound of the prefix cache (PRUNEWATCH_ENGINE_PREFIX_CACHE_MIB).", ["model"], registry=r)
         self._in_queue = self.in_queue.labels(model)
 
     def watch_kv_cache(self, reserved: Callable[[], float], budget_bytes: int) -> None:
         """Publish the batcher's KV reservation (read at each scrape) and its budget."""
         self.kv_cache_reserved.labels(self.model).set_function(reserved)
         self.kv_cache_budget.labels(self.model).set(budget_bytes)
+
+    def watch_prefix_cache(self, held_bytes: Callable[[], float], entries: Callable[[], float],
+                           budget_bytes: int | None) -> None:
+        """Publish the prefix cache's size (read at each scrape) and its memory bound (None: bounded by count only)."""
+        self.prefix_cache_bytes.labels(self.model).set_function(held_bytes)
+        self.prefix_cache_entries.labels(self.model).set_function(entries)
+        if budget_bytes is not None:
+            self.prefix_cache_budget.labels(self.model).set(budget_bytes)
 
     def watch_stepper(self, read: Callable[[], StepperTime]) -> None:
         """Publish the batcher's stepper time (read at each scrape)."""

@@ -7,10 +7,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan
 from prunewatch.engine.kv_cache import reserved_cache
 from prunewatch.engine.prefix_cache import PrefixCache
+from prunewatch.server import ServerSettings, create_app
 
 QUESTION = "How do you list open network ports?"
 SYSTEM = "You are a Linux system administrator."
@@ -67,6 +71,49 @@ def test_entries_are_copies_evicted_least_recently_used_first(probe_engine) -> N
         store.store("d", _filled_cache(config, 4, 9), 3)
     store.clear()
     assert store.entries == 0 and store.lookup("a") is None
+
+
+def test_the_store_holds_at_most_its_bytes_evicting_least_recently_used(probe_engine) -> None:
+    config = probe_engine.loaded.model.config
+    entry_bytes = sum(2 * layer.keys.numel() * 4 for layer in _filled_cache(config, 3, 0).layers)  # keys and values
+    store = PrefixCache([2, 3], max_entries=8, max_bytes=2 * entry_bytes + entry_bytes // 2)  # room for two
+    for seed, name in enumerate("abc"):
+        store.store(name, _filled_cache(config, 3, seed), 3)
+        if name == "a":
+            assert store.bytes == entry_bytes and store.entries == 1
+        if name == "b":
+            assert store.lookup("a") is not None  # a is now the most recently used
+    assert store.entries == 2 and store.bytes == 2 * entry_bytes  # b went, under the count but over the bytes
+    assert store.lookup("b") is None and store.lookup("a") is not None and store.lookup("c") is not None
+    store.store("c", _filled_cache(config, 3, 7), 3)  # stored again: counted once
+    assert store.entries == 2 and store.bytes == 2 * entry_bytes
+    store.store("long", _filled_cache(config, 9, 8), 9)  # three entries' bytes: over the whole budget, not kept
+    assert store.lookup("long") is None and store.entries == 2 and store.bytes == 2 * entry_bytes
+    store.clear()
+    assert store.bytes == 0
+    assert PrefixCache([7, 8], max_entries=8, max_bytes=0).head_length([1, 7, 8, 5]) == 0  # 0 bytes: off
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixCache([5], max_entries=1, max_bytes=-1)
+
+
+def test_the_engine_bounds_its_store_by_the_setting_and_serves_its_size(probe_engine) -> None:
+    assert probe_engine.prefix_cache.max_bytes == probe_engine.settings.prefix_cache_mib * 2**20
+    probe_engine.prefix_cache.min_tokens = 1
+    probe_engine.prefix_cache.clear()
+    try:
+        probe_engine.generate(QUESTION, system=SYSTEM, max_new_tokens=2)
+        held = probe_engine.prefix_cache.bytes
+        assert probe_engine.prefix_cache.entries == 1 and held > 0
+        with TestClient(create_app(probe_engine, ServerSettings(), registry=CollectorRegistry())) as client:
+            metrics = client.get("/metrics").text
+        scraped = {sample.name: sample.value for family in text_string_to_metric_families(metrics)
+                   for sample in family.samples if sample.labels.get("model") == probe_engine.name}
+        assert scraped["prunewatch_prefix_cache_bytes"] == held
+        assert scraped["prunewatch_prefix_cache_entries"] == 1
+        assert scraped["prunewatch_prefix_cache_budget_bytes"] == probe_engine.settings.prefix_cache_mib * 2**20
+    finally:
+        probe_engine.prefix_cache.min_tokens = probe_engine.settings.prefix_cache_min_tokens
+        probe_engine.prefix_cache.clear()
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from prunewatch.engine.batching import StepperTime
 from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.logprobs import TokenLogprob, TopLogprob
 from prunewatch.engine.planner import validate_request
+from prunewatch.engine.prefix_cache import PrefixCache
 from prunewatch.engine.pruning_engine import TokenDelta
 from prunewatch.engine.settings import LogLevel
 from prunewatch.engine.stats import GenerationResult, QualityReport, RequestStats
@@ -73,6 +74,7 @@ class FakeEngine:
     context_window = 256
     settings = SimpleNamespace(threads=None)  # the generation threads' intra-op threads: their share of the cores
     vocab_size = 256
+    prefix_cache = PrefixCache((), max_entries=0, max_bytes=0)  # no chat template to split: nothing kept
 
     def decode_prompt(self, prompt_ids: list[int]) -> str:
         return bytes(prompt_ids).decode("utf-8", "replace")
