@@ -50,7 +50,7 @@ import torch
 
 from prunewatch.engine.errors import KVBudgetError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
-from prunewatch.engine.kv_cache import ReservedLayer
+from prunewatch.engine.kv_cache import PREFILL_CHUNK, ReservedLayer
 from prunewatch.engine.threads import start_generation_thread
 
 logger = logging.getLogger("prunewatch.engine")
@@ -319,7 +319,7 @@ class DecodeBatcher:
     decode steps batched up to `max_batch` rows."""
 
     def __init__(self, instrumented: InstrumentedModel, max_batch: int, threads: int | None = None, *,
-                 gather_s: float = 0.05, prefill_chunk: int = 128, sparse_rows: int = 1,
+                 gather_s: float = 0.05, prefill_chunk: int = PREFILL_CHUNK, sparse_rows: int = 1,
                  kv_bytes_per_token: int = 0, kv_budget_bytes: int | None = None) -> None:
         if max_batch < 1 or prefill_chunk < 1 or gather_s < 0 or sparse_rows < 0 or kv_bytes_per_token < 0:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1, gather_s, sparse_rows and kv_bytes_per_token "

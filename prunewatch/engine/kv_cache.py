@@ -16,6 +16,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+PREFILL_CHUNK = 128
+"""Prompt positions one prefill pass computes at most, on every path: the batcher's stepper (one job per chunk, so a
+long prompt does not stall the decoding requests; prunewatch.engine.batching) and a request decoding in process. The
+same chunks run the same matrix products, so a prompt's keys, values and logits have the same bits whichever path
+prefilled it, and a request decodes the same tokens in process as through `serve`, however long its prompt."""
+
 
 class ReservedLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of the first `length` positions of buffers of `capacity`.

@@ -28,7 +28,7 @@ from prunewatch.engine.errors import InvalidRequestError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing, instrument
 from prunewatch.engine.hardware import PeakMemory, device_name, estimate_dram_bytes_per_instruction
 from prunewatch.engine.heads import HeadGating, install_head_gating
-from prunewatch.engine.kv_cache import reserved_cache
+from prunewatch.engine.kv_cache import PREFILL_CHUNK, reserved_cache
 from prunewatch.engine.loading import LoadedModel, load_model
 from prunewatch.engine.logprobs import MAX_TOP_LOGPROBS, Scored, TokenLogprob, TokenTexts, score_positions
 from prunewatch.engine.paths import calibration_cache
@@ -162,7 +162,7 @@ class PruningEngine:
             return self._generation_thread
 
     def new_batcher(self, max_batch: int, threads: int | None = None, *, gather_s: float = 0.05,
-                    prefill_chunk: int = 128, sparse_rows: int = 1,
+                    prefill_chunk: int = PREFILL_CHUNK, sparse_rows: int = 1,
                     kv_budget_bytes: int | None = None) -> DecodeBatcher:
         """A continuous batcher for this engine's model (prunewatch.engine.batching): generations given it
         (`stream(batcher=...)`) decode together, up to `max_batch` sharing each decode step, on its stepper thread
@@ -487,6 +487,15 @@ class PruningEngine:
                         logits = None if out is None else out.logits
                     if logits is None and ragged and step_index > 0:
                         logits = ragged_decode_step(model, [int(step_ids[0, 0])], [position], [cache])[:, None]
+                    if logits is None and keep == 1 and step_ids.shape[1] > PREFILL_CHUNK:
+                        # The prompt in the batcher's chunks: the same products give the bits `serve` gives
+                        for start in range(0, step_ids.shape[1], PREFILL_CHUNK):
+                            end = min(start + PREFILL_CHUNK, step_ids.shape[1])
+                            logits = model(input_ids=step_ids[:, start:end], cache=cache, use_cache=True,
+                                           position_ids=positions[:, start:end], logits_to_keep=1).logits
+                            if end < step_ids.shape[1]:  # the last chunk's reads are counted below
+                                ledger.kv_bytes_read += int(executed_blocks * (position + end)
+                                                            * self._kv_bytes_per_token_per_layer)
                     if logits is None:
                         logits = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
                                        logits_to_keep=keep).logits

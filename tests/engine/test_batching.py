@@ -18,6 +18,7 @@ from prunewatch.engine import batching
 from prunewatch.engine.batching import DecodeBatcher, batch_key, batch_plan, split_ledger
 from prunewatch.engine.errors import KVBudgetError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan
+from prunewatch.engine.kv_cache import PREFILL_CHUNK
 from prunewatch.engine.pruning_engine import PruningEngine
 from prunewatch.engine.stats import GenerationResult
 from prunewatch.server.app import create_app
@@ -90,6 +91,27 @@ def test_a_dense_request_scores_its_tokens_the_same_in_process_as_through_the_ba
         assert [t.logprob for t in in_process.logprobs] == [t.logprob for t in batched.logprobs]
         assert [[a.logprob for a in t.top] for t in in_process.logprobs] == \
             [[a.logprob for a in t.top] for t in batched.logprobs]
+
+
+def test_a_long_prompt_is_prefilled_in_the_batchers_chunks_in_process_too(engine: PruningEngine,
+                                                                          batcher: DecodeBatcher) -> None:
+    """A prompt longer than one prefill chunk gets the same bits in process as through the batcher, which prefills
+    it in chunks between decode steps: both run the same chunks, and count the same cache reads."""
+    prompt = " ".join(["The supplier ships within ten days of the order and the buyer pays within thirty."] * 14)
+    ids = engine.render_prompt(prompt)
+    assert len(ids) - engine.prefix_cache.head_length(ids) > 2 * PREFILL_CHUNK  # three chunks after any head
+    request = {"prompt": prompt, "max_new_tokens": 6, "sensitivity": 0.0, "logprobs": 3}
+    in_process = engine.generate(**request)
+    batched = engine.generate(batcher=batcher, **request)
+    assert in_process.token_ids == batched.token_ids
+    assert in_process.logprobs is not None and batched.logprobs is not None
+    assert [t.logprob for t in in_process.logprobs] == [t.logprob for t in batched.logprobs]
+    assert [[a.logprob for a in t.top] for t in in_process.logprobs] == \
+        [[a.logprob for a in t.top] for t in batched.logprobs]
+    assert in_process.stats.dense_flops == batched.stats.dense_flops
+    assert in_process.stats.executed_flops == batched.stats.executed_flops
+    # estimated from the weight and cache bytes the request read: equal only if the chunks' cache reads are counted alike
+    assert in_process.stats.dram_bytes_per_instruction == batched.stats.dram_bytes_per_instruction
 
 
 def test_a_request_joins_and_leaves_mid_stream_without_changing_the_others(engine: PruningEngine,
