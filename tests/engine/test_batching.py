@@ -65,6 +65,15 @@ def generate_together(engine: PruningEngine, batcher: DecodeBatcher, requests: l
     return [r for r in results if isinstance(r, GenerationResult)]
 
 
+def assert_same_scores(in_process: GenerationResult, batched: GenerationResult) -> None:
+    """The same tokens, and the same bits of every log-probability and of the top alternatives'."""
+    assert in_process.token_ids == batched.token_ids
+    assert in_process.logprobs is not None and batched.logprobs is not None
+    assert [t.logprob for t in in_process.logprobs] == [t.logprob for t in batched.logprobs]
+    assert [[a.logprob for a in t.top] for t in in_process.logprobs] == \
+        [[a.logprob for a in t.top] for t in batched.logprobs]
+
+
 def test_dense_requests_decode_the_tokens_they_get_alone_in_any_batch(engine: PruningEngine,
                                                                       batcher: DecodeBatcher) -> None:
     requests = [{"prompt": p, "max_new_tokens": 8 + 3 * i, "sensitivity": 0.0} for i, p in enumerate(PROMPTS)]
@@ -84,13 +93,7 @@ def test_a_dense_request_scores_its_tokens_the_same_in_process_as_through_the_ba
     the bit (BLAS's products differ in their last bits from the kernel's at 1 row, and BLAS is not row-invariant)."""
     for prompt in PROMPTS[:3]:
         request = {"prompt": prompt, "max_new_tokens": 10, "sensitivity": 0.0, "logprobs": 3}
-        in_process = engine.generate(**request)
-        batched = engine.generate(batcher=batcher, **request)
-        assert in_process.token_ids == batched.token_ids
-        assert in_process.logprobs is not None and batched.logprobs is not None
-        assert [t.logprob for t in in_process.logprobs] == [t.logprob for t in batched.logprobs]
-        assert [[a.logprob for a in t.top] for t in in_process.logprobs] == \
-            [[a.logprob for a in t.top] for t in batched.logprobs]
+        assert_same_scores(engine.generate(**request), engine.generate(batcher=batcher, **request))
 
 
 def test_a_long_prompt_is_prefilled_in_the_batchers_chunks_in_process_too(engine: PruningEngine,
@@ -103,11 +106,7 @@ def test_a_long_prompt_is_prefilled_in_the_batchers_chunks_in_process_too(engine
     request = {"prompt": prompt, "max_new_tokens": 6, "sensitivity": 0.0, "logprobs": 3}
     in_process = engine.generate(**request)
     batched = engine.generate(batcher=batcher, **request)
-    assert in_process.token_ids == batched.token_ids
-    assert in_process.logprobs is not None and batched.logprobs is not None
-    assert [t.logprob for t in in_process.logprobs] == [t.logprob for t in batched.logprobs]
-    assert [[a.logprob for a in t.top] for t in in_process.logprobs] == \
-        [[a.logprob for a in t.top] for t in batched.logprobs]
+    assert_same_scores(in_process, batched)
     assert in_process.stats.dense_flops == batched.stats.dense_flops
     assert in_process.stats.executed_flops == batched.stats.executed_flops
     # estimated from the weight and cache bytes the request read: equal only if the chunks' cache reads are counted alike
