@@ -1,13 +1,16 @@
-"""The kernel build never waits on a lock left by a build that died, and never races a live one."""
+"""The kernel build never waits on a lock left by a build that died, never races a live one, and builds from copies
+of its sources inside its folder, so installs at other paths share one build instead of rebuilding it in turn."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from prunewatch.engine.sparse.kernel import _exclusive_build
+from prunewatch.engine.sparse import kernel
+from prunewatch.engine.sparse.kernel import HEADERS, SOURCES, _exclusive_build, _staged_sources
 
 HOLD_FLOCK = """
 import fcntl, sys, time
@@ -48,3 +51,29 @@ def test_a_live_build_in_another_process_is_waited_for(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_sources_are_staged_in_the_build_folder_and_rewritten_only_when_they_change(tmp_path: Path) -> None:
+    staged = _staged_sources(tmp_path)
+    assert staged == [tmp_path / "src" / source.name for source in SOURCES]
+    for source in (*SOURCES, *HEADERS):  # the headers beside them: the sources include them by name
+        assert (tmp_path / "src" / source.name).read_bytes() == source.read_bytes()
+    first = staged[0]
+    os.utime(first, (1_000_000, 1_000_000))
+    _staged_sources(tmp_path)
+    assert first.stat().st_mtime == 1_000_000  # same bytes: untouched, so ninja sees nothing to rebuild
+    first.write_text("// edited")
+    _staged_sources(tmp_path)
+    assert first.read_bytes() == SOURCES[0].read_bytes() and first.stat().st_mtime > 1_000_000
+    assert not list((tmp_path / "src").glob(".*.partial"))
+
+
+def test_the_built_kernel_names_only_its_staged_copies() -> None:
+    """The session's build (made by `make kernels` or on first use): its ninja file compiles the copies in its own
+    folder, so a checkout at another path runs the same commands and loads the same build."""
+    kernel.build()
+    directory = kernel.cache_dir()
+    ninja = (directory / "build.ninja").read_text()
+    for source in SOURCES:
+        assert f"{directory / 'src' / source.name}" in ninja
+        assert str(source) not in ninja

@@ -117,6 +117,28 @@ def _exclusive_build(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _staged_sources(directory: Path) -> list[Path]:
+    """Copies of the sources and headers in `directory`/src, written only where their bytes differ; returns the
+    sources' copies. Call it holding the folder (_exclusive_build).
+
+    Why: the folder is keyed by the sources' bytes, but torch writes the paths it is given into the folder's ninja
+    file, and ninja rebuilds whatever a changed command names. Two installs of one version (a checkout and a wheel,
+    two checkouts, a CI clone beside a working tree) sharing ~/.cache/prunewatch/extensions would each rebuild the
+    folder for the other, ~100 s on two cores, and a server starting meanwhile waits on the build. Built from
+    copies inside the folder, every install runs the same commands, and the first build serves them all."""
+    staged = directory / "src"
+    staged.mkdir(exist_ok=True)
+    for source in (*SOURCES, *HEADERS):
+        target = staged / source.name
+        content = source.read_bytes()
+        if target.is_file() and target.read_bytes() == content:
+            continue  # unchanged: its modification time, which ninja compares, stays
+        partial = staged / f".{source.name}.partial"
+        partial.write_bytes(content)
+        os.replace(partial, target)
+    return [staged / source.name for source in SOURCES]
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (if needed) and import the kernel; raise SparseKernelUnavailableError on failure."""
     global _MODULE
@@ -134,7 +156,7 @@ def build(verbose: bool = False) -> ModuleType:
             with _exclusive_build(directory):
                 module = cpp_extension.load(
                     name="prunewatch_sparse_linear",
-                    sources=[str(source) for source in SOURCES],
+                    sources=[str(source) for source in _staged_sources(directory)],
                     extra_cflags=["-O3", "-fopenmp", *_isa_flags()],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(directory),
