@@ -77,3 +77,13 @@ def test_the_built_kernel_names_only_its_staged_copies() -> None:
     for source in SOURCES:
         assert f"{directory / 'src' / source.name}" in ninja
         assert str(source) not in ninja
+
+
+def test_each_torch_installation_builds_in_a_folder_of_its_own(monkeypatch) -> None:
+    """Another environment's build commands name its own include folders: sharing a folder, two environments would
+    rebuild it for each other."""
+    here = kernel.cache_dir()
+    assert kernel.cache_dir() == here
+    monkeypatch.setattr(kernel.torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
+    elsewhere = kernel.cache_dir()
+    assert elsewhere != here and elsewhere.parent == here.parent

@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import logging
 import os
+import sysconfig
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -87,10 +88,13 @@ def _isa_flags() -> list[str]:
 
 
 def cache_dir() -> Path:
-    """Where the kernel is compiled: one folder per torch version, instruction set, source and flags."""
+    """Where the kernel is compiled: one folder per torch version, instruction set, source and flags, and per torch
+    and Python installation: the build's commands name their include folders, so two environments sharing one folder
+    would rebuild it for each other (as two checkouts would, without _staged_sources)."""
     root = Path(os.environ.get(CACHE_ENV) or cache_root() / "extensions")
     sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-    build_digest = hashlib.sha256(sources + " ".join(_isa_flags()).encode()).hexdigest()[:12]
+    installation = f"{Path(torch.__file__).resolve().parent}\n{sysconfig.get_paths()['include']}".encode()
+    build_digest = hashlib.sha256(sources + " ".join(_isa_flags()).encode() + installation).hexdigest()[:12]
     tag = f"torch{torch.__version__.replace('+', '-')}-{torch.backends.cpu.get_cpu_capability()}-{build_digest}"
     return root / "sparse_linear" / tag
 
@@ -121,11 +125,11 @@ def _staged_sources(directory: Path) -> list[Path]:
     """Copies of the sources and headers in `directory`/src, written only where their bytes differ; returns the
     sources' copies. Call it holding the folder (_exclusive_build).
 
-    Why: the folder is keyed by the sources' bytes, but torch writes the paths it is given into the folder's ninja
-    file, and ninja rebuilds whatever a changed command names. Two installs of one version (a checkout and a wheel,
-    two checkouts, a CI clone beside a working tree) sharing ~/.cache/prunewatch/extensions would each rebuild the
-    folder for the other, ~100 s on two cores, and a server starting meanwhile waits on the build. Built from
-    copies inside the folder, every install runs the same commands, and the first build serves them all."""
+    Why: the folder is keyed by the sources' bytes (and the environment, cache_dir), but torch writes the paths it is
+    given into the folder's ninja file, and ninja rebuilds whatever a changed command names. Two checkouts of one
+    version in one environment (an editable install moved between working trees) would each rebuild the folder for
+    the other, ~100 s on two cores, while a server starting meanwhile waits on the build. Built from copies inside
+    the folder, they run the same commands, and the first build serves both."""
     staged = directory / "src"
     staged.mkdir(exist_ok=True)
     for source in (*SOURCES, *HEADERS):
