@@ -488,14 +488,14 @@ class PruningEngine:
                     if logits is None and ragged and step_index > 0:
                         logits = ragged_decode_step(model, [int(step_ids[0, 0])], [position], [cache])[:, None]
                     if logits is None and keep == 1 and step_ids.shape[1] > PREFILL_CHUNK:
-                        # The prompt in the batcher's chunks: the same products give the bits `serve` gives
-                        for start in range(0, step_ids.shape[1], PREFILL_CHUNK):
-                            end = min(start + PREFILL_CHUNK, step_ids.shape[1])
-                            logits = model(input_ids=step_ids[:, start:end], cache=cache, use_cache=True,
-                                           position_ids=positions[:, start:end], logits_to_keep=1).logits
-                            if end < step_ids.shape[1]:  # the last chunk's reads are counted below
-                                ledger.kv_bytes_read += int(executed_blocks * (position + end)
+                        # The prompt in the batcher's chunks (_decode_batched): the same products, the bits `serve` gives
+                        start = position
+                        while start < len(prompt_ids):
+                            start, out = self._prefill_chunk(prompt_ids, start, PREFILL_CHUNK, 1, cache)
+                            if start < len(prompt_ids):  # the last chunk's reads are counted below
+                                ledger.kv_bytes_read += int(executed_blocks * start
                                                             * self._kv_bytes_per_token_per_layer)
+                        logits = out.logits
                     if logits is None:
                         logits = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
                                        logits_to_keep=keep).logits
