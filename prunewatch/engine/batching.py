@@ -3,8 +3,8 @@
 Why: a decode step is memory-bound, so one step of b rows reads each weight once for b tokens. Requests keep
 their own generator on their own thread (streaming, stop sequences, logprobs and stats are untouched); only the
 forward passes move to one stepper thread, which holds the cores:
-- a request's prefill runs there alone, in chunks of `prefill_chunk` tokens taken in turn with decode steps, so
-  a long prompt does not stall the requests already decoding;
+- a request's prefill runs there alone, in chunks of prunewatch.engine.kv_cache.PREFILL_CHUNK tokens (as in process)
+  taken in turn with decode steps, so a long prompt does not stall the requests already decoding;
 - its decode steps wait at a rendezvous: the stepper runs one forward pass for every request whose next token is
   due (it waits up to `gather_s` for the requests still detokenizing their last one), at most `max_batch` rows;
   a request joins at the step after its prefill and leaves when its generator closes (end, stop, cancellation).
@@ -50,7 +50,7 @@ import torch
 
 from prunewatch.engine.errors import KVBudgetError
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
-from prunewatch.engine.kv_cache import PREFILL_CHUNK, ReservedLayer
+from prunewatch.engine.kv_cache import ReservedLayer
 from prunewatch.engine.threads import start_generation_thread
 
 logger = logging.getLogger("prunewatch.engine")
@@ -319,17 +319,16 @@ class DecodeBatcher:
     decode steps batched up to `max_batch` rows."""
 
     def __init__(self, instrumented: InstrumentedModel, max_batch: int, threads: int | None = None, *,
-                 gather_s: float = 0.05, prefill_chunk: int = PREFILL_CHUNK, sparse_rows: int = 1,
+                 gather_s: float = 0.05, sparse_rows: int = 1,
                  kv_bytes_per_token: int = 0, kv_budget_bytes: int | None = None) -> None:
-        if max_batch < 1 or prefill_chunk < 1 or gather_s < 0 or sparse_rows < 0 or kv_bytes_per_token < 0:
-            raise ValueError(f"max_batch and prefill_chunk must be >= 1, gather_s, sparse_rows and kv_bytes_per_token "
-                             f">= 0, got {max_batch}, {prefill_chunk}, {gather_s}, {sparse_rows}, {kv_bytes_per_token}")
+        if max_batch < 1 or gather_s < 0 or sparse_rows < 0 or kv_bytes_per_token < 0:
+            raise ValueError(f"max_batch must be >= 1, gather_s, sparse_rows and kv_bytes_per_token >= 0, got "
+                             f"{max_batch}, {gather_s}, {sparse_rows}, {kv_bytes_per_token}")
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes must be >= 1 or None (no bound), got {kv_budget_bytes}")
         self.instrumented = instrumented
         self.max_batch = max_batch
         self.gather_s = gather_s
-        self.prefill_chunk = prefill_chunk
         self.sparse_rows = sparse_rows
         self.kv_bytes_per_token = kv_bytes_per_token  # every layer's key and value of one token
         self.kv_budget_bytes = kv_budget_bytes  # None: no bound

@@ -162,8 +162,7 @@ class PruningEngine:
             return self._generation_thread
 
     def new_batcher(self, max_batch: int, threads: int | None = None, *, gather_s: float = 0.05,
-                    prefill_chunk: int = PREFILL_CHUNK, sparse_rows: int = 1,
-                    kv_budget_bytes: int | None = None) -> DecodeBatcher:
+                    sparse_rows: int = 1, kv_budget_bytes: int | None = None) -> DecodeBatcher:
         """A continuous batcher for this engine's model (prunewatch.engine.batching): generations given it
         (`stream(batcher=...)`) decode together, up to `max_batch` sharing each decode step, on its stepper thread
         with `threads` intra-op threads (default: the engine's `threads` setting, else torch's). Their callers'
@@ -175,7 +174,7 @@ class PruningEngine:
         from prunewatch.engine.batching import DecodeBatcher
 
         return DecodeBatcher(self.instrumented, max_batch, threads or self.settings.threads, gather_s=gather_s,
-                             prefill_chunk=prefill_chunk, sparse_rows=sparse_rows,
+                             sparse_rows=sparse_rows,
                              kv_bytes_per_token=self._kv_bytes_per_token_per_layer * self.num_layers,
                              kv_budget_bytes=kv_budget_bytes)
 
@@ -543,7 +542,7 @@ class PruningEngine:
             plan = replace(plan, output_head_row_kernel=True)
         plan = replace(plan, row_invariant=True)
         keep = 0 if score_prompt else 1
-        chunk = len(prompt_ids) if score_prompt else batcher.prefill_chunk
+        chunk = len(prompt_ids) if score_prompt else PREFILL_CHUNK
         with executing(plan, ledger), batcher.sequence(plan, ledger, cache,
                                                        kv_tokens=len(prompt_ids) + max_new_tokens) as sequence:
             out = None
