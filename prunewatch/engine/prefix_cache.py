@@ -45,11 +45,6 @@ from prunewatch.engine.kv_cache import ReservedLayer
 
 logger = logging.getLogger("prunewatch.engine.prefix_cache")
 
-# Heads are computed in pieces of this many positions, wherever they are computed (the batcher's stepper, one job
-# per piece, or a request's own thread): a long head does not stall the decoding requests, and its keys and values
-# have the same bits whichever path computed the entry a request copies.
-HEAD_CHUNK = 128
-
 
 @dataclass(frozen=True)
 class PrefixEntry:

@@ -33,7 +33,7 @@ from prunewatch.engine.loading import LoadedModel, load_model
 from prunewatch.engine.logprobs import MAX_TOP_LOGPROBS, Scored, TokenLogprob, TokenTexts, score_positions
 from prunewatch.engine.paths import calibration_cache
 from prunewatch.engine.planner import BypassPlan, plan_bypass, validate_request
-from prunewatch.engine.prefix_cache import HEAD_CHUNK, PrefixCache
+from prunewatch.engine.prefix_cache import PrefixCache
 from prunewatch.engine.quality import answer_token_scores, divergence, quality_check, quality_report
 from prunewatch.engine.settings import EngineSettings, LogLevel, output_head_target
 from prunewatch.engine.signals import memory_pressure
@@ -289,7 +289,7 @@ class PruningEngine:
     def _prefill_head(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any,
                       run: Callable[[Callable[[], Any]], Any] | None = None) -> int:
         """Put the prompt's head's keys and values (prunewatch.engine.prefix_cache) in the empty `cache`, copied from
-        the prefix cache or computed (and stored) in pieces of HEAD_CHUNK positions; returns the positions filled (0:
+        the prefix cache or computed (and stored) in pieces of PREFILL_CHUNK positions; returns the positions filled (0:
         the prompt has no head, and its prefill runs whole). Each step goes through `run` (the batcher's stepper,
         one job each, so a long head does not stall decoding; default: here): the thread count that computes a head
         is part of its key.
@@ -303,7 +303,7 @@ class PruningEngine:
             return 0
         run = run or (lambda fn: fn())
         if not run(functools.partial(self._copy_head, prompt_ids[:length], plan, ledger, cache)):
-            for start in range(0, length, HEAD_CHUNK):
+            for start in range(0, length, PREFILL_CHUNK):
                 run(functools.partial(self._compute_head_piece, prompt_ids[:length], start, plan, cache))
         return length
 
@@ -326,10 +326,10 @@ class PruningEngine:
         return True
 
     def _compute_head_piece(self, head_ids: list[int], start: int, plan: ExecutionPlan, cache: Any) -> None:
-        """Head positions from `start`, HEAD_CHUNK at most, into `cache`, in a ledger of their own; the last piece
+        """Head positions from `start`, PREFILL_CHUNK at most, into `cache`, in a ledger of their own; the last piece
         stores the head."""
         key = self._head_key(head_ids, plan)
-        end = min(start + HEAD_CHUNK, len(head_ids))
+        end = min(start + PREFILL_CHUNK, len(head_ids))
         model: Any = self.loaded.model
         device = self.loaded.device
         with executing(key[1], ExecutionLedger()):

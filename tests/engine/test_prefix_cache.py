@@ -247,9 +247,11 @@ def test_a_head_is_computed_in_pieces_and_any_path_computes_the_same_entry(probe
 
     from prunewatch.engine import pruning_engine
 
-    monkeypatch.setattr(pruning_engine, "HEAD_CHUNK", 4)
+    monkeypatch.setattr(pruning_engine, "PREFILL_CHUNK", 4)
     engine = probe_engine
-    head = engine.prefix_cache.head_length(engine.render_prompt(QUESTION, SYSTEM))
+    ids = engine.render_prompt(QUESTION, SYSTEM)
+    head = engine.prefix_cache.head_length(ids)
+    rest = math.ceil((len(ids) - head) / 4)  # the rest of the prompt's chunks
     threads = torch.get_num_threads()
 
     def batched() -> tuple[list[int], int, int]:
@@ -267,8 +269,8 @@ def test_a_head_is_computed_in_pieces_and_any_path_computes_the_same_entry(probe
     engine.prefix_cache.clear()
     computed = batched()
     assert copied[:2] == (in_process.token_ids, head) and computed[:2] == (in_process.token_ids, 0)
-    # a lookup, the head's pieces, then the rest of the prompt in one chunk
-    assert (copied[2], computed[2]) == (2, 1 + math.ceil(head / 4) + 1)
+    # a lookup, the head's pieces, then the rest of the prompt in chunks of the same size
+    assert rest > 1 and (copied[2], computed[2]) == (1 + rest, 1 + math.ceil(head / 4) + rest)
 
 
 def test_a_template_that_refuses_system_prompts_leaves_the_cache_off(probe_model_dir, calibration_dir, tmp_path):
