@@ -276,6 +276,51 @@ def executing(plan: ExecutionPlan, ledger: ExecutionLedger) -> Iterator[Executio
         _ACTIVE.reset(token)
 
 
+@dataclass(frozen=True)
+class PackedTail:
+    """The last `rows` token rows of a packed forward pass (prunewatch.engine.batching.packed_pass): decode rows of
+    other requests riding along a prompt's prefill chunk, under their step's plan and counted in its ledger. The rows
+    before them are the chunk's, under the active execution (the prompt's request)."""
+
+    rows: int
+    plan: ExecutionPlan
+    ledger: ExecutionLedger
+
+
+_TAIL: ContextVar[PackedTail | None] = ContextVar("prunewatch_packed_tail", default=None)
+
+
+@contextlib.contextmanager
+def packed_tail(tail: PackedTail) -> Iterator[None]:
+    """Make the forward passes in this context packed ones whose last `tail.rows` rows are `tail`'s."""
+    token = _TAIL.set(tail)
+    try:
+        yield
+    finally:
+        _TAIL.reset(token)
+
+
+def per_segment(x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """In a packed pass: `forward` on the chunk's rows of `x` (..., rows, features) under the active execution, then
+    on the tail's under the tail's, joined along the rows; None outside one (the caller computes `x` whole).
+
+    Why per segment: each part then runs the products it runs alone, with the same shapes and kernels (the chunk's
+    rows through BLAS or the kernel as its prefill would, the decode rows through the row-invariant products of a
+    decode step), so sharing a pass changes no bit of either, and each part is counted in its own ledger."""
+    tail = _TAIL.get()
+    if tail is None or torch.compiler.is_compiling():
+        return None
+    cut = x.shape[-2] - tail.rows
+    token = _TAIL.set(None)  # the parts are plain calls: `forward` does not split them again
+    try:
+        chunk = forward(x[..., :cut, :])
+        with executing(tail.plan, tail.ledger):
+            rest = forward(x[..., cut:, :])
+    finally:
+        _TAIL.reset(token)
+    return torch.cat((chunk, rest), dim=-2)
+
+
 @contextlib.contextmanager
 def outside_execution() -> Iterator[None]:
     """Run forward passes with no plan in force and nothing counted (a compiled step counts itself)."""
@@ -377,16 +422,24 @@ class BypassBlock(nn.Module):
         active = _ACTIVE.get()
         if active is None:
             return self._run(hidden_states, *args, **kwargs)
-        ledger = active.ledger
         rows = _rows(hidden_states)
-        ledger.dense_flops += self.dense_flops_per_row * rows
-        if self.index in active.plan.bypass:
-            ledger.block_bypasses[self.index] = ledger.block_bypasses.get(self.index, 0) + 1
+        tail = _TAIL.get()
+        # A packed pass (the batcher runs one only for plans that bypass the same blocks): each part counts its rows,
+        # and the weights once, in its own ledger, as its pass alone would.
+        parts = ([(active.ledger, rows)] if tail is None else
+                 [(active.ledger, rows - tail.rows), (tail.ledger, tail.rows)])
+        bypass = self.index in active.plan.bypass
+        for ledger, part_rows in parts:
+            ledger.dense_flops += self.dense_flops_per_row * part_rows
+            if bypass:
+                ledger.block_bypasses[self.index] = ledger.block_bypasses.get(self.index, 0) + 1
+                continue
+            ledger.block_calls[self.index] = ledger.block_calls.get(self.index, 0) + 1
+            # Counted before the call: modules inside that skip work take it off (record_skipped_work).
+            ledger.executed_flops += self.executed_flops_per_row * part_rows
+            ledger.weight_bytes_read += self.weight_bytes
+        if bypass:
             return self._identity(hidden_states)  # this block's KV cache is never written
-        ledger.block_calls[self.index] = ledger.block_calls.get(self.index, 0) + 1
-        # Counted before the call: modules inside that skip work take it off (record_skipped_work).
-        ledger.executed_flops += self.executed_flops_per_row * rows
-        ledger.weight_bytes_read += self.weight_bytes
         return self._run(hidden_states, *args, **kwargs)
 
     def _run(self, hidden_states: torch.Tensor, *args, **kwargs):

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunewatch.engine.execution import InstrumentedModel, current_execution, record_skipped_work
+from prunewatch.engine.execution import InstrumentedModel, current_execution, per_segment, record_skipped_work
 from prunewatch.engine.sparse.module import SparseLinear
 from prunewatch.engine.sparse.targets import in_out, is_conv1d
 
@@ -135,6 +135,9 @@ class HeadGatedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # compiled decode steps run plans that gate no head
             return self.inner(x)
+        packed = per_segment(x, self.forward)  # a packed pass: each part's skipped work in its own ledger
+        if packed is not None:
+            return packed
         execution = current_execution()
         if execution is None:
             return self.inner(x)

@@ -36,6 +36,7 @@ from prunewatch.engine.execution import (
     ExecutionLedger,
     ExecutionPlan,
     current_execution,
+    per_segment,
 )
 from prunewatch.engine.sparse.kernel import (
     SparseKernelUnavailableError,
@@ -208,6 +209,9 @@ class SparseLinear(LinearWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._compiled(x)
+        packed = per_segment(x, self.forward)  # a prefill chunk with decode rows riding along: each on its own
+        if packed is not None:
+            return packed
         execution = current_execution()
         if execution is None:
             return self.linear(x)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunewatch.engine.execution import COMPILED_STEP, ExecutionLedger, current_execution
+from prunewatch.engine.execution import COMPILED_STEP, ExecutionLedger, current_execution, per_segment
 from prunewatch.engine.sparse.kernel import (
     SparseKernelUnavailableError,
     device_kernel,
@@ -115,6 +115,9 @@ class ShortlistHead(LinearWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._compiled(x)
+        packed = per_segment(x, self.forward)  # a prefill chunk's last row and decode rows: each under its own plan
+        if packed is not None:
+            return packed
         execution = current_execution()
         if execution is None or execution[0].output_head_sparsity <= 0.0:
             if execution is not None and (self.quantized or execution[0].row_invariant):
