@@ -65,8 +65,10 @@ METHOD = {
                                  "requests)",
     "mean_batch_size": "measured by the server: mean over finished requests of the rows per decode step each ran in",
     "stepper": "measured by the server (prunewatch serve's /metrics before and after the level, its drain included): "
-               "share of the batcher's stepper time in decode steps, jobs run alone (prefill chunks, quality passes), "
-               "gather (waiting for due rows) and idle; steps and mean ms per step by rows in the step",
+               "share of the batcher's stepper time in decode steps, packed passes (a prefill chunk with the due "
+               "decode rows riding along), jobs run alone (prefill chunks with no row due, quality passes), gather "
+               "(waiting for due rows) and idle; steps and mean ms per step by rows in the step; packed passes and "
+               "the decode rows they took along",
 }
 
 
@@ -201,6 +203,7 @@ class StepperCounters:
     seconds: dict[str, float]  # activity -> seconds
     steps: dict[int, float]  # rows -> steps
     step_seconds: dict[int, float]  # rows -> seconds
+    packed: dict[str, float] = field(default_factory=dict)  # "passes" / "rows" -> packed passes, rows taken along
 
 
 def scrape_stepper(server: LoopbackServer) -> StepperCounters | None:
@@ -219,6 +222,8 @@ def scrape_stepper(server: LoopbackServer) -> StepperCounters | None:
                 counters.steps[int(sample.labels["rows"])] = sample.value
             elif sample.name == "prunewatch_decode_step_seconds_total":
                 counters.step_seconds[int(sample.labels["rows"])] = sample.value
+            elif sample.name in ("prunewatch_packed_passes_total", "prunewatch_packed_rows_total"):
+                counters.packed[sample.name.split("_")[2]] = sample.value
     return counters if counters.seconds else None
 
 
@@ -237,6 +242,8 @@ def stepper_between(before: StepperCounters | None, after: StepperCounters | Non
         "ms_per_step_by_rows": {
             str(rows): round(1000.0 * (after.step_seconds.get(rows, 0.0) - before.step_seconds.get(rows, 0.0)) / n, 2)
             for rows, n in steps.items() if n > 0},
+        "packed_passes": int(after.packed.get("passes", 0.0) - before.packed.get("passes", 0.0)),
+        "packed_rows": int(after.packed.get("rows", 0.0) - before.packed.get("rows", 0.0)),
     }
 
 
@@ -376,8 +383,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 def format_stepper_table(result: dict[str, Any]) -> str:
     """Where prunewatch serve's stepper spent each level (empty when no row has the server's counters)."""
-    lines = ["| server | clients | decode | jobs (prefill) | gather | idle | ms per step by rows |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| server | clients | decode | packed (prefill + rows) | jobs (alone) | gather | idle | ms per step by rows |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, rows in result["series"].items():
         for row in rows:
             stepper = row.get("stepper")
@@ -387,7 +394,8 @@ def format_stepper_table(result: dict[str, Any]) -> str:
             per_step = ", ".join(f"{rows_}: {ms:.1f}" for rows_, ms in stepper["ms_per_step_by_rows"].items()
                                  if stepper["steps_by_rows"][rows_] >= 0.05 * sum(stepper["steps_by_rows"].values()))
             lines.append(f"| {name} | {row['clients']} | "
-                         + " | ".join("" if share[a] is None else f"{100 * share[a]:.0f}%" for a in STEPPER_ACTIVITIES)
+                         + " | ".join("" if share.get(a) is None else f"{100 * share[a]:.0f}%"
+                                      for a in STEPPER_ACTIVITIES)
                          + f" | {per_step} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 

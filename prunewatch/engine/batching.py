@@ -42,14 +42,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
 
 from prunewatch.engine.errors import KVBudgetError
-from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, InstrumentedModel, executing
+from prunewatch.engine.execution import (
+    ExecutionLedger,
+    ExecutionPlan,
+    InstrumentedModel,
+    PackedTail,
+    executing,
+    packed_tail,
+)
 from prunewatch.engine.kv_cache import ReservedLayer
 from prunewatch.engine.threads import start_generation_thread
 
@@ -72,10 +79,16 @@ class BatcherClosedError(RuntimeError):
 @dataclass
 class RaggedStep:
     """The per-row caches of one decode step, read by the attention function from `_CURRENT_STEP` (a context
-    variable, not a keyword argument: some families' decoder layers do not pass extra arguments on to attention)."""
+    variable, not a keyword argument: some families' decoder layers do not pass extra arguments on to attention).
+
+    A packed pass (`packed_pass`) also holds a prompt chunk: its `prefill_rows` positions come first in the pass's
+    one sequence, their keys and values go into `prefill_cache`, and the decode rows of `caches` follow, one position
+    each."""
 
     caches: list[Any]  # one transformers cache per row (prunewatch.engine.kv_cache.reserved_cache)
     calls: int = 0  # attention calls that served this step
+    prefill_cache: Any = None  # the prompt chunk's cache (a packed pass), else None
+    prefill_rows: int = 0  # the prompt chunk's positions at the start of the sequence
 
 
 _CURRENT_STEP: contextvars.ContextVar[RaggedStep | None] = contextvars.ContextVar("prunewatch_ragged_step",
@@ -95,13 +108,51 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     ragged_step.calls += 1
     layer: int = module.layer_idx  # type: ignore[assignment]  # every attention module of transformers 5 has it
+    if ragged_step.prefill_rows:
+        return _packed_attention(module, query, key, value, ragged_step, layer, **kwargs)
+    return _decode_rows_attention(module, query, key, value, ragged_step.caches, layer, **kwargs)
+
+
+def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      step: RaggedStep, layer: int, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A packed pass's attention: the prompt chunk's positions (the first `step.prefill_rows` of the one sequence)
+    append to their cache and attend causally over it, as transformers' SDPA attention would with the cache it
+    updates; each decode row after them attends over its own cache (`_decode_rows_attention`). Returns
+    (1, positions, heads, dim)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = step.prefill_rows
+    keys, values = step.prefill_cache.update(key[:, :, :rows], value[:, :, :rows], layer)
+    past = keys.shape[2] - rows
+    # Position i of the chunk sees the cached positions and its own chunk's up to itself; with nothing cached that
+    # is the plain causal mask, which SDPA takes as is_causal (transformers' own choice for that case).
+    mask = None if past == 0 else torch.ones((rows, past + rows), dtype=torch.bool,
+                                             device=query.device).tril(past)[None, None]
+    chunk, _ = sdpa_attention_forward(module, query[:, :, :rows], keys, values, mask, **kwargs)  # (1, rows, H, D)
+    if not step.caches:
+        return chunk, None
+    # The decode rows as a step's batch: (rows, heads, 1, dim), each over its own cache.
+    def as_rows(states: torch.Tensor) -> torch.Tensor:
+        return states[0, :, rows:].transpose(0, 1).unsqueeze(2)
+
+    decoded, _ = _decode_rows_attention(module, as_rows(query), as_rows(key), as_rows(value), step.caches, layer,
+                                        **kwargs)  # (rows, 1, H, D)
+    return torch.cat((chunk, decoded.transpose(0, 1)), dim=1), None
+
+
+def _decode_rows_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           caches: list[Any], layer: int, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Decode rows (rows, heads, 1, dim): each row's key and value into its own cache, and its attention over that
+    cache alone. Returns (rows, 1, heads, dim)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     # A plain decode row: one query, no mask, no extra terms (what transformers' own function does for it is
     # softmax(q k^T * scaling) v, the key/value heads shared among the query heads).
     plain = (query.shape[2] == 1 and not module.training
              and all(kwargs.get(name) is None for name in _UNPLAIN_ATTENTION_KWARGS))
     scaling = kwargs.get("scaling")
     if plain and query.device.type == "cpu" and query.dtype == torch.float32:
-        cache_layers = _reserved_layers(ragged_step.caches, layer)
+        cache_layers = _reserved_layers(caches, layer)
         operator = _ragged_operator() if cache_layers is not None else None
         if cache_layers is not None and operator is not None:
             # Every row, one row alone included, writes in place and attends in csrc/ragged_attention.cpp: a row's
@@ -114,7 +165,7 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             return output, None
     grouped = query.shape[1] != key.shape[1]
     outputs = []
-    for row, cache in enumerate(ragged_step.caches):
+    for row, cache in enumerate(caches):
         row_key, row_value = cache.update(key[row:row + 1], value[row:row + 1], layer)
         if plain:
             output = torch.nn.functional.scaled_dot_product_attention(
@@ -186,6 +237,50 @@ def ragged_decode_step(model: Any, tokens: list[int], positions: list[int], cach
     return out.logits[:, -1]
 
 
+def packed_pass(model: Any, chunk_ids: Sequence[int], start: int, cache: Any, tokens: Sequence[int] = (),
+                positions: Sequence[int] = (), caches: Sequence[Any] = (), *,
+                keep_all: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass of a prompt chunk (`chunk_ids` at positions from `start`, into `cache`) with decode rows
+    riding along (`tokens[b]` at `positions[b]` over `caches[b]`, as in `ragged_decode_step`), packed in one
+    sequence: the chunk's positions first, then one per decode row. Returns the chunk's logits (its last row, or
+    every row with `keep_all`, which takes no decode rows), and the decode rows' (rows, vocab) or None.
+
+    Why: a prefill chunk run alone stalls the decoding requests for as long as it runs, and reads every weight for
+    its rows only; packed, the decode rows take their step in the same pass, their products on the weights the
+    chunk's just brought into the caches. Under a packed tail (prunewatch.engine.execution.per_segment) every
+    wrapped product runs each part on its own rows, so the chunk's bits are those of its pass alone and each decode
+    row's those of a step of the same rows (`ragged_decode_step`). The model's attention must be RAGGED_ATTENTION
+    (install_ragged_attention), and a pass with decode rows must run under `packed_tail`."""
+    rows = len(chunk_ids)
+    if rows == 0 or len(tokens) != len(positions) or len(tokens) != len(caches) or (keep_all and tokens):
+        raise ValueError(f"a packed pass takes a non-empty chunk and one position and cache per decode row (none "
+                         f"when every chunk row is kept), got {rows} chunk positions, {len(tokens)} tokens, "
+                         f"{len(positions)} positions, {len(caches)} caches")
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[*chunk_ids, *tokens]], device=device)  # (1, rows + decode rows)
+    position_ids = torch.tensor([[*range(start, start + rows), *positions]], device=device)
+    no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)  # 4D: taken as prepared
+    # The chunk's last row (or all of it) and every decode row; an int keeps the last rows as a prefill does.
+    keep: int | torch.Tensor = (0 if keep_all else 1) if not tokens else torch.arange(rows - 1, rows + len(tokens),
+                                                                                       device=device)
+    step = RaggedStep(list(caches), prefill_cache=cache, prefill_rows=rows)
+    reset = _CURRENT_STEP.set(step)
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, use_cache=False,
+                    logits_to_keep=keep)
+    finally:
+        _CURRENT_STEP.reset(reset)
+    expected = sum(1 for layer in getattr(cache, "layers", ()) if layer.is_initialized)
+    if step.calls != expected:
+        raise RuntimeError(f"{expected} attention layers hold the prompt's cache but {step.calls} attended through "
+                           f"the ragged attention: this model's attention does not use transformers' attention "
+                           f"interface, so it cannot prefill into a reserved cache")
+    logits = out.logits[0]  # (kept, vocab)
+    if not tokens:
+        return logits, None
+    return logits[:1], logits[1:]
+
+
 def install_ragged_attention(model: torch.nn.Module) -> None:
     """Register the ragged attention (with SDPA's masks for every call that is not a batched step) and make it
     the model's attention implementation."""
@@ -198,6 +293,21 @@ def install_ragged_attention(model: torch.nn.Module) -> None:
     AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
     AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
     config._attn_implementation = RAGGED_ATTENTION
+
+
+def packable(instrumented: InstrumentedModel) -> bool:
+    """Whether a prompt chunk and decode rows may share a pass (`packed_pass`) without changing a bit of either:
+    every linear layer of the decoder blocks, and the output head, is computed by one of the engine's wrappers
+    (prunewatch.engine.sparse), which run each part of a packed pass on its own rows. A plain layer would multiply
+    all of them in one BLAS product, whose rounding changes with the rows."""
+    from prunewatch.engine.sparse.targets import LinearWrapper
+
+    model: Any = instrumented.model
+    wrapped = {id(module.linear) for module in model.modules() if isinstance(module, LinearWrapper)}
+    if not isinstance(model.get_output_embeddings(), LinearWrapper):
+        return False
+    return all(id(module) in wrapped for block in instrumented.blocks for module in block.modules()
+               if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D")
 
 
 def batch_key(plan: ExecutionPlan) -> tuple:
@@ -243,7 +353,7 @@ def split_ledger(total: ExecutionLedger, ledgers: list[ExecutionLedger]) -> None
         ledger.batch_rows += rows
 
 
-STEPPER_ACTIVITIES = ("decode", "jobs", "gather", "idle")  # what the stepper's wall time is split into
+STEPPER_ACTIVITIES = ("decode", "packed", "jobs", "gather", "idle")  # what the stepper's wall time is split into
 
 
 @dataclass(frozen=True)
@@ -251,11 +361,15 @@ class StepperTime:
     """Where the stepper's wall time went since it started, in seconds (measured with a monotonic clock): what
     says why b requests decoding together get less than b times one request's throughput.
 
-    decode: batched decode steps; jobs: work run alone between steps (prefill chunks, quality passes); gather:
-    waiting, with rows due, for the other decoding requests' next rows (they detokenize and stream their last
-    token meanwhile); idle: nothing to run."""
+    decode: batched decode steps; packed: prefill chunks with the due decode rows riding along (`packed_pass`);
+    jobs: work run alone between steps (prefill chunks with no row to take along, quality passes); gather: waiting,
+    with rows due, for the other decoding requests' next rows (they detokenize and stream their last token
+    meanwhile); idle: nothing to run."""
 
     jobs_s: float = 0.0
+    packed_s: float = 0.0
+    packed: int = 0  # packed passes run
+    packed_rows: int = 0  # decode rows they took along
     gather_s: float = 0.0
     idle_s: float = 0.0
     jobs: int = 0
@@ -268,7 +382,8 @@ class StepperTime:
 
     def seconds_by_activity(self) -> dict[str, float]:
         """Seconds per activity of STEPPER_ACTIVITIES, in that order."""
-        return {"decode": self.decode_s, "jobs": self.jobs_s, "gather": self.gather_s, "idle": self.idle_s}
+        return {"decode": self.decode_s, "packed": self.packed_s, "jobs": self.jobs_s, "gather": self.gather_s,
+                "idle": self.idle_s}
 
 
 @dataclass
@@ -283,12 +398,24 @@ class _Row:
     error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """A prompt chunk to prefill (`packed_pass`): its token ids, its first position and the request's cache."""
+
+    sequence: BatchedSequence
+    ids: tuple[int, ...]
+    start: int
+    keep_all: bool  # every row's logits (an echoed prompt): run alone
+
+
 @dataclass
 class _Job:
-    """Work that runs on the stepper alone (a prefill chunk, a quality pass), in its submitter's context."""
+    """Work that runs on the stepper (a prefill chunk, a quality pass), in its submitter's context: alone, or for a
+    prefill chunk packed with the decode rows due (`chunk`)."""
 
     context: contextvars.Context
     fn: Callable[[], Any]
+    chunk: _Chunk | None = None
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -308,6 +435,15 @@ class BatchedSequence:
     def run(self, fn: Callable[[], T]) -> T:
         """`fn()` on the stepper, between decode steps, in this thread's context (its plan and ledger)."""
         return self.batcher.run(fn)
+
+    def prefill(self, ids: Sequence[int], start: int, keep_all: bool = False) -> torch.Tensor:
+        """Prefill the prompt positions `ids` from `start` into this request's cache, on the stepper, in this thread's
+        context: the chunk's logits (its last row, or every row with `keep_all`). The due decode rows that may share
+        its pass ride along (`packed_pass`)."""
+        chunk = _Chunk(self, tuple(ids), start, keep_all)
+        return self.batcher._submit(_Job(contextvars.copy_context(),
+                                         lambda: packed_pass(self.batcher.instrumented.model, chunk.ids, start,
+                                                             self.cache, keep_all=keep_all)[0], chunk))
 
     def step(self, token: int, position: int) -> torch.Tensor:
         """The logits (vocab,) after `token` at `position`, from a decode step shared with the other requests."""
@@ -342,6 +478,7 @@ class DecodeBatcher:
         self._jobs: deque[_Job] = deque()
         self._decoding = 0  # sequences between their prefill and their end
         self._closed = False
+        self.packs = packable(instrumented)  # prefill chunks take the due decode rows along
         self._stepper = start_generation_thread(self._loop, threads, name="prunewatch-step")
 
     @property
@@ -404,7 +541,9 @@ class DecodeBatcher:
 
     def run(self, fn: Callable[[], T]) -> T:
         """`fn()` on the stepper alone, in the caller's context; its exception is raised here."""
-        job = _Job(contextvars.copy_context(), fn)
+        return self._submit(_Job(contextvars.copy_context(), fn))
+
+    def _submit(self, job: _Job) -> Any:
         with self._cond:
             if self._closed:
                 raise BatcherClosedError("the decode batcher is closed")
@@ -449,24 +588,38 @@ class DecodeBatcher:
                 if self._closed:
                     self._fail_waiting()
                     return
+                along: list[_Row] = []
                 if self._jobs and (not self._rows or last_was_step):
-                    work: _Job | list[_Row] = self._jobs.popleft()
+                    job = self._jobs.popleft()
+                    work: _Job | list[_Row] = job
+                    chunk = job.chunk
+                    if chunk is not None and self.packs and not chunk.keep_all and self._decoding:
+                        self._gather()
+                        along = self._take_rows(chunk.sequence.key) if self._rows else []
                 else:
                     self._gather()
                     work = self._take_rows()
                 ran = time.perf_counter()
                 self._time = replace(self._time, idle_s=self._time.idle_s + waited - started,
                                      gather_s=self._time.gather_s + ran - waited)
-            if isinstance(work, _Job):
+            if isinstance(work, _Job) and along:
+                self._run_packed(work, along)
+                last_was_step = True  # the rows took their step: a job waiting next runs before the next step
+            elif isinstance(work, _Job):
                 self._run_job(work)
                 last_was_step = False
             else:
                 self._run_rows(work)
                 last_was_step = True
 
-    def _record(self, rows: int, seconds: float) -> None:
-        """Add one step of `rows` rows (0: a job) that took `seconds` to the stepper's time (lock held)."""
+    def _record(self, rows: int, seconds: float, packed: bool = False) -> None:
+        """Add one step of `rows` rows (0: a job; `packed`: a packed pass taking `rows` rows along) that took
+        `seconds` to the stepper's time (lock held)."""
         t = self._time
+        if packed:
+            self._time = replace(t, packed_s=t.packed_s + seconds, packed=t.packed + 1,
+                                 packed_rows=t.packed_rows + rows)
+            return
         if rows == 0:
             self._time = replace(t, jobs_s=t.jobs_s + seconds, jobs=t.jobs + 1)
             return
@@ -482,9 +635,9 @@ class DecodeBatcher:
                 break
             self._cond.wait(remaining)
 
-    def _take_rows(self) -> list[_Row]:
-        """The oldest due row and the rows that may share its step (same batch key), up to max_batch."""
-        key = self._rows[0].sequence.key
+    def _take_rows(self, key: tuple | None = None) -> list[_Row]:
+        """The due rows that may share a step with the oldest (or that have batch key `key`), up to max_batch."""
+        key = self._rows[0].sequence.key if key is None else key
         taken = [r for r in self._rows if r.sequence.key == key][:self.max_batch]
         chosen = {id(r) for r in taken}
         self._rows = [r for r in self._rows if id(r) not in chosen]
@@ -508,6 +661,40 @@ class DecodeBatcher:
             with self._cond:
                 self._record(0, time.perf_counter() - started)
             job.done.set()
+
+    @torch.no_grad()
+    def _run_packed(self, job: _Job, rows: list[_Row]) -> None:
+        """A prefill chunk and the decode rows `rows` in one packed pass (`packed_pass`), in the chunk's request's
+        context; the rows' counts are split among them as a step's are."""
+        assert job.chunk is not None
+        chunk = job.chunk
+        model: Any = self.instrumented.model
+        started = time.perf_counter()
+        plan = batch_plan([r.sequence.plan for r in rows], self.instrumented.num_layers, self.sparse_rows)
+        total = ExecutionLedger()
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            with packed_tail(PackedTail(len(rows), plan, total)):
+                return packed_pass(model, chunk.ids, chunk.start, chunk.sequence.cache, [r.token for r in rows],
+                                   [r.position for r in rows], [r.sequence.cache for r in rows])
+
+        try:
+            job.result, logits = job.context.run(run)
+            assert logits is not None
+            split_ledger(total, [r.sequence.ledger for r in rows])
+            for index, row in enumerate(rows):
+                row.logits = logits[index]
+        except BaseException as exc:  # the chunk and every row of the pass fail with it
+            logger.exception("packed pass of a prefill chunk and %d decode rows failed", len(rows))
+            job.error = exc
+            for row in rows:
+                row.error = exc
+        finally:
+            with self._cond:
+                self._record(len(rows), time.perf_counter() - started, packed=True)
+            job.done.set()
+            for row in rows:
+                row.done.set()
 
     @torch.no_grad()
     def _run_rows(self, rows: list[_Row]) -> None:

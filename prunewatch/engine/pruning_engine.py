@@ -338,15 +338,15 @@ class PruningEngine:
         if end == len(head_ids):
             self.prefix_cache.store(key, cache, end)
 
-    def _prefill_chunk(self, prompt_ids: list[int], start: int, chunk: int, keep: int, cache: Any) -> tuple[int, Any]:
-        """Prefill up to `chunk` prompt positions from `start` into `cache`; returns the positions filled so far and
-        the model's output."""
-        device = self.loaded.device
-        piece = torch.tensor([prompt_ids[start:start + chunk]], device=device)  # (1, <= chunk)
-        positions = torch.arange(start, start + piece.shape[1], device=device)[None]
-        model: Any = self.loaded.model
-        out = model(input_ids=piece, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=keep)
-        return start + piece.shape[1], out
+    def _prefill_chunk(self, prompt_ids: list[int], start: int, cache: Any) -> tuple[int, torch.Tensor]:
+        """Prefill up to PREFILL_CHUNK prompt positions from `start` into `cache` in a packed pass of its own (the
+        batcher's chunks run the same pass, with decode rows riding along: prunewatch.engine.batching.packed_pass);
+        returns the positions filled so far and the chunk's last row of logits (vocab,)."""
+        from prunewatch.engine.batching import packed_pass
+
+        piece = prompt_ids[start:start + PREFILL_CHUNK]
+        logits, _ = packed_pass(self.loaded.model, piece, start, cache)
+        return start + len(piece), logits[-1]
 
     def render_prompt(self, prompt: str | None = None, system: str | None = None,
                       messages: Sequence[Mapping[str, str]] | None = None) -> list[int]:
@@ -486,15 +486,16 @@ class PruningEngine:
                         logits = None if out is None else out.logits
                     if logits is None and ragged and step_index > 0:
                         logits = ragged_decode_step(model, [int(step_ids[0, 0])], [position], [cache])[:, None]
-                    if logits is None and keep == 1 and step_ids.shape[1] > PREFILL_CHUNK:
-                        # The prompt in the batcher's chunks (_decode_batched): the same products, the bits `serve` gives
-                        start = position
+                    if logits is None and ragged and keep == 1 and step_index == 0:
+                        # The prompt in the batcher's chunks and passes (_decode_batched): the bits `serve` gives
+                        start, last_row = position, None
                         while start < len(prompt_ids):
-                            start, out = self._prefill_chunk(prompt_ids, start, PREFILL_CHUNK, 1, cache)
+                            start, last_row = self._prefill_chunk(prompt_ids, start, cache)
                             if start < len(prompt_ids):  # the last chunk's reads are counted below
                                 ledger.kv_bytes_read += int(executed_blocks * start
                                                             * self._kv_bytes_per_token_per_layer)
-                        logits = out.logits
+                        assert last_row is not None  # a cached head is never the whole prompt
+                        logits = last_row[None, None]
                     if logits is None:
                         logits = model(input_ids=step_ids, cache=cache, use_cache=True, position_ids=positions,
                                        logits_to_keep=keep).logits
@@ -541,23 +542,23 @@ class PruningEngine:
         if score_prompt and plan.output_head_sparsity > 0.0:  # every prompt row as the last one is computed
             plan = replace(plan, output_head_row_kernel=True)
         plan = replace(plan, row_invariant=True)
-        keep = 0 if score_prompt else 1
         chunk = len(prompt_ids) if score_prompt else PREFILL_CHUNK
         with executing(plan, ledger), batcher.sequence(plan, ledger, cache,
                                                        kv_tokens=len(prompt_ids) + max_new_tokens) as sequence:
-            out = None
+            logits = None
             start = 0 if score_prompt else self._prefill_head(prompt_ids, plan, ledger, cache, run=sequence.run)
-            while start < len(prompt_ids):  # one job on the stepper per chunk
-                start, out = sequence.run(functools.partial(self._prefill_chunk, prompt_ids, start, chunk, keep, cache))
+            while start < len(prompt_ids):  # one pass on the stepper per chunk, the due decode rows along
+                logits = sequence.prefill(prompt_ids[start:start + chunk], start, keep_all=score_prompt)
+                start = min(start + chunk, len(prompt_ids))
                 ledger.kv_bytes_read += int(executed_blocks * start * self._kv_bytes_per_token_per_layer)
-            assert out is not None  # the prompt is never empty
+            assert logits is not None  # the prompt is never empty
             ledger.end_prefill()
             if score_prompt:
                 yield Scored(prompt_ids[0], None, in_prompt=True)
-                yield from score_positions(out.logits[0, :-1], prompt_ids[1:], logprobs or 0, in_prompt=True)
+                yield from score_positions(logits[:-1], prompt_ids[1:], logprobs or 0, in_prompt=True)
                 if max_new_tokens == 0:
                     return
-            last = out.logits[0, -1]
+            last = logits[-1]
             position = len(prompt_ids)
             token = -1
             for step_index in range(max_new_tokens):

@@ -39,8 +39,9 @@ class StepperTimeCollector(Collector):
         t = self.read()
         seconds = CounterMetricFamily(
             check_metric_name("prunewatch_batcher_seconds"),
-            "Wall time of the batcher's stepper by activity: decode (batched steps), jobs (prefill chunks and "
-            "quality passes, run alone), gather (rows due, waiting for the other decoding requests' rows), idle.",
+            "Wall time of the batcher's stepper by activity: decode (batched steps), packed (prefill chunks with "
+            "the due decode rows riding along), jobs (prefill chunks with no row due and quality passes, run "
+            "alone), gather (rows due, waiting for the other decoding requests' rows), idle.",
             labels=["model", "activity"])
         for activity, value in t.seconds_by_activity().items():
             seconds.add_metric([self.model, activity], value)
@@ -52,7 +53,15 @@ class StepperTimeCollector(Collector):
         for rows in sorted(t.steps_by_rows):
             steps.add_metric([self.model, str(rows)], t.steps_by_rows[rows])
             step_seconds.add_metric([self.model, str(rows)], t.step_s_by_rows.get(rows, 0.0))
-        yield from (seconds, steps, step_seconds)
+        packed = CounterMetricFamily(check_metric_name("prunewatch_packed_passes"),
+                                     "Prefill chunks run in one pass with the due decode rows riding along.",
+                                     labels=["model"])
+        packed.add_metric([self.model], t.packed)
+        packed_rows = CounterMetricFamily(check_metric_name("prunewatch_packed_rows"),
+                                          "Decode rows the packed passes took along (one token each).",
+                                          labels=["model"])
+        packed_rows.add_metric([self.model], t.packed_rows)
+        yield from (seconds, steps, step_seconds, packed, packed_rows)
 
 
 class ServerMetrics:

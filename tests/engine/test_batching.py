@@ -143,6 +143,58 @@ def test_a_request_joins_and_leaves_mid_stream_without_changing_the_others(engin
     assert during.get(2, 0) >= 1 and during.get(1, 0) >= 1  # shared steps, and steps alone before and after
 
 
+@pytest.mark.parametrize("sensitivity", [0.0, None], ids=["dense", "default"])
+def test_prefill_chunks_take_the_decoding_rows_along_and_change_no_bit(engine: PruningEngine,
+                                                                        sensitivity: float | None) -> None:
+    """A request that arrives while another decodes prefills in packed passes that also run the other's due steps
+    (the batcher waits for that row here: a long gather). Dense, both get every bit and count they get alone. At the
+    default, requests that share decode steps run the batch's plan (the lowest targets), so only the packed part is
+    the same: the arriving prompt's prefill, and the decoding request's steps taken along (their rows' own plans)."""
+    batcher = engine.new_batcher(8, threads=2, gather_s=30.0)
+    try:
+        prompt = " ".join(["The supplier ships within ten days of the order and the buyer pays within thirty."] * 14)
+        arriving = {"prompt": prompt, "max_new_tokens": 5, "sensitivity": sensitivity, "logprobs": 3}
+        decoding = {"prompt": PROMPTS[0], "max_new_tokens": 40, "sensitivity": sensitivity, "logprobs": 3}
+        ids = engine.render_prompt(prompt)
+        chunks = -(-(len(ids) - engine.prefix_cache.head_length(ids)) // PREFILL_CHUNK)
+        assert chunks >= 3
+        alone = [engine.generate(batcher=batcher, **r) for r in (arriving, decoding)]
+        assert batcher.stepper_time().packed == 0  # nothing was decoding when they prefilled
+        started = threading.Event()
+        items: list = []
+
+        def consume() -> None:
+            torch.set_num_threads(1)
+            for item in engine.stream(batcher=batcher, **decoding):
+                items.append(item)
+                if len(items) == 4:
+                    started.set()
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        assert started.wait(60)
+        [arrived] = generate_together(engine, batcher, [arriving])
+        consumer.join(120)
+        spent = batcher.stepper_time()
+    finally:
+        batcher.close()
+    decoded = items[-1]
+    assert isinstance(decoded, GenerationResult)
+    assert spent.packed == chunks and spent.packed_rows == chunks  # each chunk took the decoding row along
+    # The prefill's own figures, and its first token, whichever rows rode along.
+    assert arrived.logprobs is not None and alone[0].logprobs is not None
+    assert arrived.logprobs[0] == alone[0].logprobs[0]
+    assert arrived.stats.prefill_pruning_ratio == alone[0].stats.prefill_pruning_ratio
+    if sensitivity == 0.0:
+        for one, shared in zip(alone, [arrived, decoded], strict=True):
+            assert_same_scores(one, shared)
+            assert (one.stats.dense_flops, one.stats.executed_flops) == (shared.stats.dense_flops,
+                                                                         shared.stats.executed_flops)
+    else:  # the steps taken along (tokens 4 to 3 + chunks, counting the prefill's) were the decoding row's own
+        assert alone[1].logprobs is not None and decoded.logprobs is not None
+        assert alone[1].logprobs[:4 + chunks] == decoded.logprobs[:4 + chunks]
+
+
 def test_the_stepper_accounts_its_time_by_activity_and_its_steps_by_rows(engine: PruningEngine) -> None:
     started = time.monotonic()
     batcher = engine.new_batcher(8, threads=2)
@@ -153,15 +205,17 @@ def test_the_stepper_accounts_its_time_by_activity_and_its_steps_by_rows(engine:
     finally:
         batcher.close()
     elapsed = time.monotonic() - started
-    assert spent.jobs == len(requests)  # one prefill chunk each (short prompts), no quality pass
+    # one prefill chunk each (short prompts), alone or packed with decode rows; no quality pass
+    assert spent.jobs + spent.packed == len(requests)
     assert spent.steps_by_rows == batcher.batch_sizes and max(spent.steps_by_rows) >= 2
-    # every decode step after the prefill's token is one row of one step
-    assert sum(rows * steps for rows, steps in spent.steps_by_rows.items()) == sum(
+    # every token after the prefill's is one row of one step, or a row a packed pass took along
+    assert sum(rows * steps for rows, steps in spent.steps_by_rows.items()) + spent.packed_rows == sum(
         r.stats.completion_tokens - 1 for r in results)
+    assert spent.packed_rows >= spent.packed
     assert set(spent.step_s_by_rows) == set(spent.steps_by_rows)
     assert list(spent.seconds_by_activity()) == list(batching.STEPPER_ACTIVITIES)
-    assert min(spent.decode_s, spent.jobs_s) > 0 and min(spent.gather_s, spent.idle_s) >= 0
-    assert spent.decode_s + spent.jobs_s + spent.gather_s + spent.idle_s <= elapsed
+    assert min(spent.decode_s, spent.jobs_s) > 0 and min(spent.gather_s, spent.idle_s, spent.packed_s) >= 0
+    assert sum(spent.seconds_by_activity().values()) <= elapsed
 
 
 def test_one_requests_stop_sequence_does_not_end_another(engine: PruningEngine, batcher: DecodeBatcher) -> None:
@@ -354,6 +408,9 @@ def test_requests_past_the_kv_budget_wait_for_room_and_answer_as_alone(engine: P
     for rows, steps in batcher.batch_sizes.items():  # the stepper's counts, as scraped
         assert f'prunewatch_decode_steps_total{{model="{engine.name}",rows="{rows}"}} {float(steps)}' in metrics
     assert f'prunewatch_batcher_seconds_total{{activity="decode",model="{engine.name}"}}' in metrics
+    spent = batcher.stepper_time()
+    assert f'prunewatch_packed_passes_total{{model="{engine.name}"}} {float(spent.packed)}' in metrics
+    assert f'prunewatch_packed_rows_total{{model="{engine.name}"}} {float(spent.packed_rows)}' in metrics
 
 
 def test_a_request_that_alone_needs_more_than_the_kv_budget_is_refused(engine: PruningEngine) -> None:
