@@ -196,9 +196,12 @@ at::Tensor reserved_decode_attention(const at::Tensor& query, const at::Tensor& 
     positions += lengths[b] + 1;
   }
   const int64_t units = rows * kv_heads;
-  // A team is worth waking only for enough positions (a short single-row step runs faster on its own thread).
+  // A team is worth waking only for enough positions (a short single-row step runs faster on its own thread). In a
+  // decode step of SmolLM2-135M on 2 threads (AVX-512 host, the caches cold after the step's weights streamed
+  // through), a team from 1024 positions x heads took the layers' attention from 2.6 to 1.6-2.1 ms per step at 4
+  // rows of 80 positions and from 1.65 to 1.2 ms at 1 row of 200 (4096 before); 1 row of 80 stays on one thread.
   const int wanted = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
-  const int team = positions * heads >= 4096 ? std::max(1, wanted) : 1;
+  const int team = positions * heads >= 1024 ? std::max(1, wanted) : 1;
 #pragma omp parallel num_threads(team)
   {
     std::vector<float> scores;
