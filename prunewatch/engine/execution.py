@@ -13,6 +13,9 @@ on every linear layer per token (that hook cost 16% of the decode speed of a 30-
   prunewatch.engine.sparse, gated heads of prunewatch.engine.heads) report the work they skipped with
   `record_skipped_work`: the kernel's count of the weight rows it did not read.
 - one forward hook on the output head (one call per forward pass) adds the head's work.
+- A packed pass (prunewatch.engine.batching.packed_pass) holds a prompt chunk's rows under its request's plan and
+  other requests' decode rows under their step's: `packed_tail` marks the decode rows, and through `per_segment`
+  the wrappers compute and count each part apart, blocks count each part's rows in its own ledger.
 pruning_ratio = 1 - executed / dense. A block that ran and whose output was discarded still counts
 as executed. The ratio is never clamped: a negative value means work was over-counted, and the
 ledger logs a warning and says so (`overcounted`). An independent, hook-per-linear count is kept
