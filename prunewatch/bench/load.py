@@ -383,20 +383,23 @@ def format_table(result: dict[str, Any]) -> str:
 
 def format_stepper_table(result: dict[str, Any]) -> str:
     """Where prunewatch serve's stepper spent each level (empty when no row has the server's counters)."""
-    lines = ["| server | clients | decode | packed (prefill + rows) | jobs (alone) | gather | idle | ms per step by rows |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| server | clients | decode | packed (prefill + rows) | jobs (alone) | gather | idle | ms per step by rows "
+             "| packed passes / rows along |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name, rows in result["series"].items():
         for row in rows:
             stepper = row.get("stepper")
             if not stepper:
                 continue
             share = stepper["share"]
+            packed = ("" if "packed_passes" not in stepper
+                      else f"{stepper['packed_passes']} / {stepper['packed_rows']}")
             per_step = ", ".join(f"{rows_}: {ms:.1f}" for rows_, ms in stepper["ms_per_step_by_rows"].items()
                                  if stepper["steps_by_rows"][rows_] >= 0.05 * sum(stepper["steps_by_rows"].values()))
             lines.append(f"| {name} | {row['clients']} | "
                          + " | ".join("" if share.get(a) is None else f"{100 * share[a]:.0f}%"
                                       for a in STEPPER_ACTIVITIES)
-                         + f" | {per_step} |")
+                         + f" | {per_step} | {packed} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
