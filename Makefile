@@ -16,7 +16,13 @@ PYTEST_WORKERS ?= 2
 DEBIAN_PACKAGES := postgresql prometheus prometheus-alertmanager prometheus-pushgateway chromium chromium-driver poppler-utils
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps run test lint kernels clean
+# The kernel's tests on the instruction sets this host can also run (`make test` runs only its own): torch's
+# ATEN_CPU_CAPABILITY picks the build (prunewatch/engine/sparse/kernel.py), each in a folder of its own.
+ISA_TESTS := tests/engine/test_fp32_dense.py tests/engine/test_int8_dense.py tests/engine/test_int4_dense.py \
+	tests/engine/test_integer_dense.py tests/engine/test_ragged_attention.py tests/engine/test_sparse_kernel.py \
+	tests/engine/test_threshold_mask.py
+
+.PHONY: setup system-deps run test test-isa lint kernels clean
 
 setup: $(STAMP)
 
@@ -46,6 +52,14 @@ lint: setup
 
 test: system-deps kernels lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+test-isa: setup
+	@for isa in avx2 default; do \
+	  echo "kernel tests, ATEN_CPU_CAPABILITY=$$isa"; \
+	  ATEN_CPU_CAPABILITY=$$isa $(BIN)/python -m prunewatch.engine.sparse.build || exit 1; \
+	  ATEN_CPU_CAPABILITY=$$isa $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) $(ISA_TESTS) || exit 1; \
+	done
+	PRUNEWATCH_TEST_ISAS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/engine/test_kernel_isas.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
