@@ -195,6 +195,45 @@ def test_prefill_chunks_take_the_decoding_rows_along_and_change_no_bit(engine: P
         assert alone[1].logprobs[:4 + chunks] == decoded.logprobs[:4 + chunks]
 
 
+def test_a_failed_packed_pass_fails_its_chunk_and_the_rows_it_took_along_and_the_batcher_goes_on(
+        engine: PruningEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    batcher = engine.new_batcher(8, threads=2, gather_s=30.0)
+    real = batching.packed_pass
+
+    def failing(model, chunk_ids, start, cache, tokens=(), *args, **kwargs):
+        if tokens:
+            raise RuntimeError("packed pass broke")
+        return real(model, chunk_ids, start, cache, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(batching, "packed_pass", failing)
+    try:
+        started = threading.Event()
+        failures: list[BaseException] = []
+
+        def consume() -> None:
+            torch.set_num_threads(1)
+            try:
+                for index, _ in enumerate(engine.stream(PROMPTS[0], max_new_tokens=40, sensitivity=0.0,
+                                                        batcher=batcher)):
+                    if index == 3:
+                        started.set()
+            except RuntimeError as exc:
+                failures.append(exc)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        assert started.wait(60)
+        with pytest.raises(RuntimeError, match="packed pass broke"):
+            engine.generate(PROMPTS[1], max_new_tokens=4, sensitivity=0.0, batcher=batcher)
+        consumer.join(120)
+        assert [str(f) for f in failures] == ["packed pass broke"]  # the row it took along failed with it
+        assert batcher.decoding == 0 and batcher.kv_reserved_bytes == 0
+        monkeypatch.setattr(batching, "packed_pass", real)
+        assert engine.generate(PROMPTS[1], max_new_tokens=4, sensitivity=0.0, batcher=batcher).token_ids
+    finally:
+        batcher.close()
+
+
 def test_the_stepper_accounts_its_time_by_activity_and_its_steps_by_rows(engine: PruningEngine) -> None:
     started = time.monotonic()
     batcher = engine.new_batcher(8, threads=2)
