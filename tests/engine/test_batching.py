@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from prunewatch.engine import batching
 from prunewatch.engine.batching import DecodeBatcher, batch_key, batch_plan, split_ledger
 from prunewatch.engine.errors import KVBudgetError
-from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan
-from prunewatch.engine.kv_cache import PREFILL_CHUNK
+from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
+from prunewatch.engine.kv_cache import PREFILL_CHUNK, reserved_cache
 from prunewatch.engine.pruning_engine import PruningEngine
 from prunewatch.engine.stats import GenerationResult
 from prunewatch.server.app import create_app
@@ -141,6 +141,23 @@ def test_a_request_joins_and_leaves_mid_stream_without_changing_the_others(engin
     assert short_result.token_ids == alone_short
     during = {rows: count - before.get(rows, 0) for rows, count in batcher.batch_sizes.items()}
     assert during.get(2, 0) >= 1 and during.get(1, 0) >= 1  # shared steps, and steps alone before and after
+
+
+def test_a_prompt_prefilled_in_packed_chunks_gets_the_logits_of_transformers_own_pass(engine: PruningEngine) -> None:
+    """Each chunk after the first attends over the cached positions and its own, causally (the mask the packed
+    pass builds): every prompt row's logits are those of the model's own forward pass over the whole prompt."""
+    model = engine.loaded.model
+    ids = engine.render_prompt(" ".join(["The buyer pays within thirty days of the invoice."] * 20))
+    assert len(ids) > 2 * PREFILL_CHUNK
+    with torch.no_grad():
+        whole = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        batching.install_ragged_attention(model)
+        cache = reserved_cache(model.config, len(ids))
+        with executing(ExecutionPlan(), ExecutionLedger()):
+            chunks = [batching.packed_pass(model, ids[start:start + PREFILL_CHUNK], start, cache, keep_all=True)[0]
+                      for start in range(0, len(ids), PREFILL_CHUNK)]
+    torch.testing.assert_close(torch.cat(chunks), whole, rtol=0, atol=1e-4)
+    assert cache.get_seq_length() == len(ids)
 
 
 @pytest.mark.parametrize("sensitivity", [0.0, None], ids=["dense", "default"])
