@@ -87,9 +87,11 @@ def build_engine_detail(settings: DashboardSettings) -> Json:
     layout.add(timeseries(
         "Stepper time by activity (measured share)",
         "Where the batcher's stepper thread, which runs every forward pass of `prunewatch serve`, spent its time: "
-        "decode (batched steps shared by every request whose next token is due), jobs (prefill chunks and quality "
-        "passes, run alone between steps), gather (waiting for the other requests' next rows) and idle, from "
-        "prunewatch_batcher_seconds_total. A growing jobs share is prefill stalling the requests already decoding.",
+        "decode (batched steps shared by every request whose next token is due), packed (prefill chunks with the "
+        "due decode rows riding along in the same pass), jobs (prefill chunks with no row due and quality passes, "
+        "run alone between steps), gather (waiting for the other requests' next rows) and idle, from "
+        "prunewatch_batcher_seconds_total. A growing packed share is prefill taking the cores from decoding; a "
+        "growing jobs share under load is work stalling the requests already decoding.",
         p, [prom("A", promql.STEPPER_SHARE, "{{activity}} · {{model}}")],
         unit="percentunit", width=12, bars=True, stacked=True, minimum=0, maximum=1))
     layout.add(timeseries(

@@ -39,6 +39,7 @@ from prunewatch.collector.probe_round import run_round
 from prunewatch.dashboards import build_dashboards, panel_queries, template_variables
 from prunewatch.dashboards.rules import load_rule_file, parse_bucket
 from prunewatch.dashboards.settings import DashboardSettings
+from prunewatch.engine.batching import STEPPER_ACTIVITIES
 from prunewatch.probes import Probe, ProbeSet, load_probes
 from prunewatch.records.governor_metrics import GovernorMetrics
 from prunewatch.records.metrics import CollectorMetrics
@@ -438,7 +439,7 @@ def test_dram_panel_keeps_its_source_label(live, dashboards):
 def test_serving_panels_read_the_batchers_own_time_and_steps(live, dashboards):
     engine = dashboards["prunewatch-engine.json"]
     shares = _query(live, engine, "Stepper time by activity (measured share)")
-    assert {s["metric"]["activity"] for s in shares} == {"decode", "jobs", "gather", "idle"}
+    assert {s["metric"]["activity"] for s in shares} == set(STEPPER_ACTIVITIES)
     assert math.isclose(sum(float(s["value"][1]) for s in shares), 1.0, rel_tol=1e-9)
     assert all(float(s["value"][1]) > 0 for s in shares if s["metric"]["activity"] in ("decode", "jobs"))
     steps = _query(live, engine, "Decode steps per second by rows in the step (measured)")
