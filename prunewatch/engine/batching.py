@@ -93,6 +93,7 @@ class RaggedStep:
     calls: int = 0  # attention calls that served this step
     prefill_cache: Any = None  # the prompt chunk's cache (a packed pass), else None
     prefill_rows: int = 0  # the prompt chunk's positions at the start of the sequence
+    prefill_mask: torch.Tensor | None = None  # the chunk's causal mask over its cache, built by its first layer
 
 
 _CURRENT_STEP: contextvars.ContextVar[RaggedStep | None] = contextvars.ContextVar("prunewatch_ragged_step",
@@ -130,8 +131,12 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     past = keys.shape[2] - rows
     # Position i of the chunk sees the cached positions and its own chunk's up to itself; with nothing cached that
     # is the plain causal mask, which SDPA takes as is_causal (transformers' own choice for that case).
-    mask = None if past == 0 else torch.ones((rows, past + rows), dtype=torch.bool,
-                                             device=query.device).tril(past)[None, None]
+    mask = None
+    if past > 0:  # every layer's cache holds as many positions: one mask serves the pass
+        mask = step.prefill_mask
+        if mask is None or mask.shape[-1] != past + rows:
+            mask = step.prefill_mask = torch.ones((rows, past + rows), dtype=torch.bool,
+                                                  device=query.device).tril(past)[None, None]
     chunk, _ = sdpa_attention_forward(module, query[:, :, :rows], keys, values, mask, **kwargs)  # (1, rows, H, D)
     if not step.caches:
         return chunk, None
