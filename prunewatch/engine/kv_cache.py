@@ -17,10 +17,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 PREFILL_CHUNK = 128
-"""Prompt positions one prefill pass computes at most, on every path: the batcher's stepper (one job per chunk, so a
-long prompt does not stall the decoding requests; prunewatch.engine.batching) and a request decoding in process. The
-same chunks run the same matrix products, so a prompt's keys, values and logits have the same bits whichever path
-prefilled it, and a request decodes the same tokens in process as through `serve`, however long its prompt."""
+"""Prompt positions one prefill pass computes at most: on the batcher's stepper (one packed pass per chunk, with the
+due decode rows riding along; prunewatch.engine.batching), for a request decoding eagerly in process on the CPU, and
+for a prompt's head (prunewatch.engine.prefix_cache). The same chunks run the same matrix products, so a prompt's
+keys, values and logits have the same bits whichever of these paths prefilled it, and a request decodes the same
+tokens in process as through `serve`, however long its prompt. (A compiled or GPU decode in process prefills the
+prompt in one pass: its tokens are not held to the served ones.)"""
 
 
 class ReservedLayer(DynamicLayer):

@@ -291,8 +291,8 @@ class PruningEngine:
         """Put the prompt's head's keys and values (prunewatch.engine.prefix_cache) in the empty `cache`, copied from
         the prefix cache or computed (and stored) in pieces of PREFILL_CHUNK positions; returns the positions filled (0:
         the prompt has no head, and its prefill runs whole). Each step goes through `run` (the batcher's stepper,
-        one job each, so a long head does not stall decoding; default: here): the thread count that computes a head
-        is part of its key.
+        one job each, run alone: a long head stalls the decoding requests one piece at a time; default: here): the
+        thread count that computes a head is part of its key.
 
         The head is the store's work, done once per head and cache shape, not the request's: its pieces count in a
         ledger of their own, so a request's counts (and its pruning ratio) are the same whether its head was stored
