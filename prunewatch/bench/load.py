@@ -206,15 +206,22 @@ class StepperCounters:
     packed: dict[str, float] = field(default_factory=dict)  # "passes" / "rows" -> packed passes, rows taken along
 
 
+_PACKED_COUNTERS = {"prunewatch_packed_passes_total": "passes", "prunewatch_packed_rows_total": "rows"}
+
+
 def scrape_stepper(server: LoopbackServer) -> StepperCounters | None:
     """The stepper counters of `server` now; None when it publishes none (no batcher, or not prunewatch)."""
+    response = httpx.get(f"{server.url}/metrics", timeout=30.0)
+    return parse_stepper(response.text) if response.status_code == 200 else None
+
+
+def parse_stepper(exposition: str) -> StepperCounters | None:
+    """The stepper counters in a /metrics exposition (prunewatch.server.metrics.StepperTimeCollector's families);
+    None when it has none."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    response = httpx.get(f"{server.url}/metrics", timeout=30.0)
-    if response.status_code != 200:
-        return None
     counters = StepperCounters({}, {}, {})
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name == "prunewatch_batcher_seconds_total":
                 counters.seconds[sample.labels["activity"]] = sample.value
@@ -222,8 +229,8 @@ def scrape_stepper(server: LoopbackServer) -> StepperCounters | None:
                 counters.steps[int(sample.labels["rows"])] = sample.value
             elif sample.name == "prunewatch_decode_step_seconds_total":
                 counters.step_seconds[int(sample.labels["rows"])] = sample.value
-            elif sample.name in ("prunewatch_packed_passes_total", "prunewatch_packed_rows_total"):
-                counters.packed[sample.name.split("_")[2]] = sample.value
+            elif sample.name in _PACKED_COUNTERS:
+                counters.packed[_PACKED_COUNTERS[sample.name]] = sample.value
     return counters if counters.seconds else None
 
 

@@ -42,6 +42,28 @@ def test_nearest_rank_returns_an_observed_value():
     assert nearest_rank([1.0, 9.0], 0.99) == 9.0
 
 
+def test_the_stepper_counters_are_read_back_from_the_servers_exposition():
+    """What the bench reads is what the server's collector publishes, packed passes included."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from prunewatch.engine.batching import STEPPER_ACTIVITIES, StepperTime
+    from prunewatch.server.metrics import StepperTimeCollector
+
+    spent = StepperTime(jobs_s=1.5, packed_s=2.25, packed=3, packed_rows=7, gather_s=0.25, idle_s=4.0, jobs=2,
+                        step_s_by_rows={1: 0.5, 4: 3.0}, steps_by_rows={1: 10, 4: 60})
+    registry = CollectorRegistry()
+    registry.register(StepperTimeCollector("m", lambda: spent))
+    counters = load.parse_stepper(generate_latest(registry).decode())
+    assert counters is not None
+    assert counters.seconds == dict(zip(STEPPER_ACTIVITIES, (3.5, 2.25, 1.5, 0.25, 4.0), strict=True))
+    assert counters.steps == {1: 10, 4: 60} and counters.step_seconds == {1: 0.5, 4: 3.0}
+    assert counters.packed == {"passes": 3, "rows": 7}
+    zero = load.StepperCounters({a: 0.0 for a in STEPPER_ACTIVITIES}, {}, {})
+    between = load.stepper_between(zero, counters)
+    assert between is not None and (between["packed_passes"], between["packed_rows"]) == (3, 7)
+    assert load.parse_stepper("# nothing here\n") is None
+
+
 def test_load_bench_drives_serve_dense_and_default_at_each_level(probe_model_dir, calibration_dir, tmp_path):
     out, plot = tmp_path / "load.json", tmp_path / "load.png"
     code = load.main(["--model-dir", str(probe_model_dir), "--calibration-dir", str(calibration_dir),
