@@ -17,12 +17,14 @@ prompts). So a prompt is always prefilled in two passes split at the same place,
 copied from the store or computed by the first pass (and stored); the second pass starts after them either way, and a
 request decodes the same tokens whether the store held its head or not, and whatever other requests came before.
 
-Which heads are split off: those of at least `prefix_cache_min_tokens` (default 64). A prefill pays a whole forward
-pass however few its rows (every weight is read; on the CPU at 2 threads a 24-row pass of SmolLM2-135M costs about
-two thirds of a 49-row one), so a short head's own pass, on a miss, costs more than a hit saves: in
-bench/results/prefix-cache-cpu.json the held-out prompts, whose heads are SmolLM2's 24-token default or one-off
-system prompts, prefilled slower with every head split than without the cache, while behind one 240-token system
-prompt the prefills ran about 4x faster as served.
+Which heads are split off: those of at least `prefix_cache_min_tokens` (default 64), and the chat template's own head
+(what it renders before the user's text when a request sends no system message: SmolLM2's default system prompt)
+at any length. A prefill pays a whole forward pass however few its rows (every weight is read; on the CPU at 2
+threads a 24-row pass of SmolLM2-135M costs about two thirds of a 49-row one), so a short head's own pass, on a miss,
+costs more than a hit saves: in bench/results/prefix-cache-cpu.json the held-out prompts' one-off system prompts
+made their prefills slower split than whole, while behind one 240-token system prompt the prefills ran about 4x
+faster as served. The template's own head is the exception: every request without a system message starts with it,
+so it misses once per cache shape and thread count, and every later such request skips its positions.
 
 What is not cached: shorter heads, prompts without the marker (raw completions, a model without a chat template), prompts that end
 with it, requests that score every prompt position (echo with logprobs needs the head's logits), and models whose
@@ -70,7 +72,7 @@ class PrefixCache:
     or earlier turns pile up in the head."""
 
     def __init__(self, marker: Sequence[int], max_entries: int, min_tokens: int = 1,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, shared_heads: Sequence[Sequence[int]] = ()) -> None:
         if max_entries < 0 or min_tokens < 1 or (max_bytes is not None and max_bytes < 0):
             raise ValueError(f"max_entries and max_bytes must be >= 0 and min_tokens >= 1, got {max_entries}, "
                              f"{max_bytes}, {min_tokens}")
@@ -78,19 +80,22 @@ class PrefixCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes  # None: bounded by the count alone
         self.min_tokens = min_tokens  # shorter heads are not split off: their second pass costs more than they save
+        # Heads split off at any length: ones most requests start with (the chat template's own), which miss once
+        self.shared_heads = frozenset(tuple(head) for head in shared_heads if head)
         self._entries: OrderedDict[Hashable, PrefixEntry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def head_length(self, prompt_ids: Sequence[int]) -> int:
         """Positions of `prompt_ids` up to and including the last user-turn marker, when that head has at least
-        `min_tokens` and some token follows it; else 0 (the prompt is prefilled in one piece, as without a cache)."""
+        `min_tokens` (or is one of `shared_heads`) and some token follows it; else 0 (the prompt is prefilled in one
+        piece, as without a cache)."""
         marker, width = self.marker, len(self.marker)
         if self.max_entries == 0 or self.max_bytes == 0 or width == 0:
             return 0
         for end in range(len(prompt_ids) - 1, width - 1, -1):  # the head must leave at least one token after it
             if prompt_ids[end - 1] == marker[-1] and tuple(prompt_ids[end - width:end]) == marker:
-                return end if end >= self.min_tokens else 0
+                return end if end >= self.min_tokens or tuple(prompt_ids[:end]) in self.shared_heads else 0
         return 0
 
     @staticmethod

@@ -130,8 +130,10 @@ class PruningEngine:
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.token_texts = TokenTexts(tokenizer)  # token ids as OpenAI clients read them (logprobs)
-        self.prefix_cache = PrefixCache(self._user_turn_marker(), settings.prefix_cache_entries,
-                                        settings.prefix_cache_min_tokens, max_bytes=settings.prefix_cache_mib * 2**20)
+        marker = self._user_turn_marker()
+        self.prefix_cache = PrefixCache(marker, settings.prefix_cache_entries, settings.prefix_cache_min_tokens,
+                                        max_bytes=settings.prefix_cache_mib * 2**20,
+                                        shared_heads=[self._template_head(marker)])
 
     @classmethod
     def load(cls, settings: EngineSettings, calibration: Calibration | None = None) -> PruningEngine:
@@ -285,6 +287,16 @@ class PruningEngine:
                         exc)
             return []
         return common_start(heads[0][::-1], heads[1][::-1])[::-1]
+
+    def _template_head(self, marker: list[int]) -> list[int]:
+        """The head the chat template renders when a request sends no system message (its default system prompt and
+        the user-turn marker; empty without a marker): every such request starts with it, so the prefix cache splits
+        it off whatever its length."""
+        if not marker:
+            return []
+        ids = self.render_prompt("Hello there.")
+        length = PrefixCache(marker, max_entries=1).head_length(ids)
+        return ids[:length]
 
     def _prefill_head(self, prompt_ids: list[int], plan: ExecutionPlan, ledger: ExecutionLedger, cache: Any,
                       run: Callable[[Callable[[], Any]], Any] | None = None) -> int:

@@ -244,7 +244,9 @@ class EngineSettings(BaseSettings):
         description=(
             "The shortest head the prefix cache splits off and keeps. A prefill pays a whole forward pass however few "
             "its rows, so a shorter head's own pass, whenever it is not stored yet, costs more than later hits save "
-            "(bench/results/prefix-cache-cpu.json: `prunewatch bench prefix-cache`)."),
+            "(bench/results/prefix-cache-cpu.json: `prunewatch bench prefix-cache`). The chat template's own head "
+            "(what it renders before the user's text when a request sends no system message, e.g. a default system "
+            "prompt) is split off at any length: every such request shares it, so it misses once."),
     )
     dram_profile: Path | None = Field(
         None,

@@ -41,6 +41,11 @@ def test_the_head_ends_after_the_last_user_turn_marker_and_leaves_a_token() -> N
     assert PrefixCache([7, 8], max_entries=2, min_tokens=4).head_length([1, 7, 8, 5, 7, 8, 6]) == 6
     assert PrefixCache([7, 8], max_entries=2, min_tokens=4).head_length([1, 7, 8, 5]) == 0  # too short to split
     assert PrefixCache([7, 8], max_entries=2, min_tokens=3).head_length([1, 7, 8, 5]) == 3
+    # A shared head (the chat template's own) splits at any length; another head of its length does not.
+    shared = PrefixCache([7, 8], max_entries=2, min_tokens=64, shared_heads=[[1, 7, 8], []])
+    assert shared.head_length([1, 7, 8, 5, 6]) == 3
+    assert shared.head_length([2, 7, 8, 5, 6]) == 0
+    assert shared.head_length([1, 7, 8, 5, 7, 8, 6]) == 0  # a later turn: the head is the whole conversation
     with pytest.raises(ValueError, match="max_entries"):
         PrefixCache([5], max_entries=-1)
     with pytest.raises(ValueError, match="min_tokens"):
@@ -125,6 +130,38 @@ def probe_engine(probe_engine):
     yield probe_engine
     probe_engine.prefix_cache.min_tokens = min_tokens
     probe_engine.prefix_cache.clear()
+
+
+DEFAULT_SYSTEM = "{% if messages[0]['role'] != 'system' %}### System:\nYou are a helpful assistant.\n\n{% endif %}"
+
+
+def test_the_templates_own_head_is_split_off_at_the_default_minimum_and_changes_no_bit(
+        probe_model_dir, calibration_dir, tmp_path) -> None:
+    """A request without a system message starts with the template's own head (here a default system prompt, as
+    SmolLM2's template renders one), however short: the default settings split it off, and the second such request
+    copies it, with the bits and counts of the first."""
+    import shutil
+
+    from tests.conftest import load_probe_engine
+
+    model_dir = tmp_path / "probe-llama"
+    shutil.copytree(probe_model_dir, model_dir)
+    template = model_dir / "chat_template.jinja"
+    template.write_text(DEFAULT_SYSTEM + template.read_text())
+    engine = load_probe_engine(model_dir, calibration_dir)
+    ids = engine.render_prompt(QUESTION)
+    head = engine.prefix_cache.head_length(ids)
+    assert 0 < head < engine.settings.prefix_cache_min_tokens  # shorter than the minimum, split anyway
+    assert engine.prefix_cache.shared_heads == {tuple(ids[:head])}
+    assert engine.prefix_cache.head_length(engine.render_prompt(QUESTION, SYSTEM)) == 0  # a one-off head: whole
+    plan = engine.execution_plan(ids, 0.5, [], prompt_text=QUESTION)
+    missed = _first_logits(engine, ids, plan)
+    other = engine.render_prompt("Which port does SSH listen on?")
+    assert engine.prefix_cache.head_length(other) == head
+    hit = _first_logits(engine, ids, plan)
+    assert (missed[2], hit[2]) == (0, head)
+    assert hit[1] == missed[1] and torch.equal(hit[0], missed[0]) and hit[3] == missed[3]
+    assert engine.generate("Which port does SSH listen on?", max_new_tokens=2).stats.cached_prompt_tokens == head
 
 
 def test_heads_shorter_than_the_minimum_are_prefilled_whole(probe_engine) -> None:
