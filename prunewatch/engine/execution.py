@@ -303,17 +303,30 @@ def packed_tail(tail: PackedTail) -> Iterator[None]:
         _TAIL.reset(token)
 
 
-def per_segment(x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+Segment = tuple[torch.Tensor, ExecutionPlan, ExecutionLedger]  # one part's rows, and the plan and ledger it runs under
+
+
+def per_segment(x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor],
+                joined: Callable[[Segment, Segment], torch.Tensor | None] | None = None) -> torch.Tensor | None:
     """In a packed pass: `forward` on the chunk's rows of `x` (..., rows, features) under the active execution, then
     on the tail's under the tail's, joined along the rows; None outside one (the caller computes `x` whole).
 
     Why per segment: each part then runs the products it runs alone, with the same shapes and kernels (the chunk's
     rows through BLAS or the kernel as its prefill would, the decode rows through the row-invariant products of a
-    decode step), so sharing a pass changes no bit of either, and each part is counted in its own ledger."""
+    decode step), so sharing a pass changes no bit of either, and each part is counted in its own ledger.
+
+    `joined`, where given, is tried first: both parts in one call, counted per part, or None where that call would
+    not give each part the bits of its own (a product whose rows' sums depend on their row alone, run by both parts
+    alone, can take them in one call: SparseLinear's fp32 row-invariant product)."""
     tail = _TAIL.get()
     if tail is None or torch.compiler.is_compiling():
         return None
     cut = x.shape[-2] - tail.rows
+    active = _ACTIVE.get()
+    if joined is not None and active is not None:
+        both = joined((x[..., :cut, :], active.plan, active.ledger), (x[..., cut:, :], tail.plan, tail.ledger))
+        if both is not None:
+            return both
     token = _TAIL.set(None)  # the parts are plain calls: `forward` does not split them again
     try:
         chunk = forward(x[..., :cut, :])

@@ -212,6 +212,64 @@ def test_prefill_chunks_take_the_decoding_rows_along_and_change_no_bit(engine: P
         assert alone[1].logprobs[:4 + chunks] == decoded.logprobs[:4 + chunks]
 
 
+@pytest.mark.parametrize("sensitivity", [0.0, 0.5], ids=["dense", "pruned"])
+def test_a_short_chunk_and_the_rows_along_share_one_product_with_the_bits_and_counts_of_each_alone(
+        engine: PruningEngine, monkeypatch: pytest.MonkeyPatch, sensitivity: float) -> None:
+    """A chunk of at most ROW_INVARIANT_CHUNK_ROWS rows runs the row-invariant product, dense or masked at its
+    targets, and the decode rows riding along a dense batch step: one call per layer for both parts (SparseLinear's
+    `_joined`), and still each part's bits and counts of its own pass."""
+    from prunewatch.engine.execution import PackedTail, packed_tail
+    from prunewatch.engine.sparse.module import ROW_INVARIANT_CHUNK_ROWS, SparseLinear
+
+    model = engine.loaded.model
+    batching.install_ragged_attention(model)
+    chunk_ids = (engine.render_prompt(PROMPTS[3]) * 4)[:ROW_INVARIANT_CHUNK_ROWS - 2]
+    chunk_plan = replace(engine.execution_plan(chunk_ids, sensitivity, []), row_invariant=True)
+    assert chunk_plan.skips_work == (sensitivity > 0)
+    riders = [engine.render_prompt(p) for p in PROMPTS[:2]]
+    step_plan = batch_plan([replace(engine.execution_plan(ids, sensitivity, []), row_invariant=True)
+                            for ids in riders], engine.instrumented.num_layers)
+    tokens, positions = [5, 9], [len(ids) for ids in riders]
+    joined: list[bool] = []
+    real = SparseLinear._joined
+
+    def counted(self, chunk, tail):
+        both = real(self, chunk, tail)
+        joined.append(both is not None)
+        return both
+
+    monkeypatch.setattr(SparseLinear, "_joined", counted)
+
+    def caches() -> list:
+        made = []
+        with executing(ExecutionPlan(row_invariant=True), ExecutionLedger()):
+            for ids in riders:
+                made.append(reserved_cache(model.config, len(ids) + 4))
+                batching.packed_pass(model, ids, 0, made[-1])
+        return made
+
+    def counts(ledger: ExecutionLedger) -> tuple:
+        return (ledger.dense_flops, ledger.executed_flops, ledger.weight_bytes_read, ledger.sparse_dense_flops,
+                ledger.sparse_executed_flops, ledger.sparse_kept_entries, ledger.sparse_input_entries)
+
+    with torch.no_grad():
+        alone_chunk, alone_rows = ExecutionLedger(), ExecutionLedger()
+        with executing(chunk_plan, alone_chunk):
+            chunk_logits, _ = batching.packed_pass(model, chunk_ids, 0, reserved_cache(model.config, 40))
+        with executing(step_plan, alone_rows):
+            row_logits = batching.ragged_decode_step(model, tokens, positions, caches())
+        assert not joined  # nothing rode along: no call was packed
+        packed_chunk, packed_rows = ExecutionLedger(), ExecutionLedger()
+        rider_caches = caches()
+        with executing(chunk_plan, packed_chunk), packed_tail(PackedTail(2, step_plan, packed_rows)):
+            logits, rows = batching.packed_pass(model, chunk_ids, 0, reserved_cache(model.config, 40), tokens,
+                                                positions, rider_caches)
+    assert joined and all(joined)  # every block linear took both parts in one call
+    assert torch.equal(logits, chunk_logits) and rows is not None and torch.equal(rows, row_logits)
+    assert counts(packed_chunk) == counts(alone_chunk) and counts(packed_rows) == counts(alone_rows)
+    assert (packed_chunk.sparse_executed_flops > 0) == (sensitivity > 0)  # the pruned chunk was masked, then dense
+
+
 def test_a_failed_packed_pass_fails_its_chunk_and_the_rows_it_took_along_and_the_batcher_goes_on(
         engine: PruningEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     batcher = engine.new_batcher(8, threads=2, gather_s=30.0)

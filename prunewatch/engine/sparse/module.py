@@ -8,7 +8,9 @@ as dense work when it started; the call takes 2 x (in - active) x out x rows FLO
 it never read) back off the ledger. A call with many rows (a long prefill) is compute-bound, where
 skipping rows of a weight matrix saves no time: it applies the same mask and runs the dense layer,
 which stays counted as dense work. Without a plan, or with a target of 0, the dense layer runs
-untouched and is counted as dense.
+untouched and is counted as dense. Under a row-invariant plan (the CPU's eager and batched decoding) a dense call, or
+a masked chunk, of up to ROW_INVARIANT_CHUNK_ROWS rows multiplies through the fp32 row-invariant product instead,
+so a prefill chunk and the decode rows riding along its packed pass can share one call (`_joined`).
 
 With int8 or int4 weights (SparsityOptions.weights, prunewatch/engine/sparse/quantize.py) a decode step reads a
 quarter (int8) or about a sixth (int4) of the fp32 bytes whether or not it prunes. A sparse call with few rows reads
@@ -35,6 +37,7 @@ from prunewatch.engine.execution import (
     COMPILED_STEP,
     ExecutionLedger,
     ExecutionPlan,
+    Segment,
     current_execution,
     per_segment,
 )
@@ -59,6 +62,15 @@ from prunewatch.engine.sparse.quantize import (
 )
 from prunewatch.engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
 from prunewatch.engine.sparse.thresholds import LayerThresholds
+
+
+# A prefill chunk of up to this many rows runs the fp32 row-invariant product (csrc/fp32_dense.cpp) under a
+# row-invariant plan, where a longer one runs BLAS. Alone it is a little slower than BLAS at that size (its register
+# tiles reach about three quarters of BLAS's multiply-adds per second on this repository's AVX-512 host), but a
+# packed pass's decode rows then share the chunk's call (SparseLinear._joined): one read of each weight and one
+# product instead of two (prunewatch bench load, README "Serving under load"). Past ~32 rows the product falls
+# behind BLAS by more than the shared read saves.
+ROW_INVARIANT_CHUNK_ROWS = 32
 
 
 class SparsityOptions(BaseModel):
@@ -209,17 +221,18 @@ class SparseLinear(LinearWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._compiled(x)
-        packed = per_segment(x, self.forward)  # a prefill chunk with decode rows riding along: each on its own
+        # a prefill chunk with decode rows riding along: in one row-invariant call where both parts would run one,
+        # else each on its own
+        packed = per_segment(x, self.forward, self._joined)
         if packed is not None:
             return packed
         execution = current_execution()
         if execution is None:
             return self.linear(x)
         plan, ledger = execution
-        last_plan, target = self._last_target  # one tuple read: threads may replace it concurrently
-        if last_plan is not plan:
-            target = self.target_under(plan)
-            self._last_target = (plan, target)  # holds the plan, so `is` can never match a reused id
+        target = self._target(plan)
+        if self._runs_row_invariant(x, plan, target):
+            return self._row_invariant_product([self._row_invariant_rows(x, plan, ledger, target)], x.shape[:-1])
         if target <= 0.0:
             return self._quantized_dense(x, ledger) if self.quantized or plan.row_invariant else self._dense(x)
         in_features = self.in_features
@@ -228,9 +241,7 @@ class SparseLinear(LinearWrapper):
         ledger.sparse_dense_flops += dense_flops
         ledger.sparse_input_entries += rows * in_features
         keep = -1 if plan.sparsity_policy != "shared" else self._shared_keep(plan, x, target)
-        threshold = self._thresholds_by_target.get(target)
-        if threshold is None:
-            threshold = self._thresholds_by_target.setdefault(target, self.thresholds.at(target))
+        threshold = self._threshold(target)
         if rows > self.max_kernel_rows:
             return self._masked_dense(x, ledger, threshold, keep, dense_flops)
         # The decode hot path (~7 calls per block per token): buffers read directly, the bias and
@@ -248,6 +259,73 @@ class SparseLinear(LinearWrapper):
         ledger.sparse_executed_flops += executed
         ledger.sparse_kept_entries += kept
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+
+    def _target(self, plan: ExecutionPlan) -> float:
+        """target_under(plan), remembered for the last plan: a request's ~7 calls per block per token share one."""
+        last_plan, target = self._last_target  # one tuple read: threads may replace it concurrently
+        if last_plan is not plan:
+            target = self.target_under(plan)
+            self._last_target = (plan, target)  # holds the plan, so `is` can never match a reused id
+        return target
+
+    def _threshold(self, target: float) -> float:
+        threshold = self._thresholds_by_target.get(target)
+        if threshold is None:
+            threshold = self._thresholds_by_target.setdefault(target, self.thresholds.at(target))
+        return threshold
+
+    def _runs_row_invariant(self, x: torch.Tensor, plan: ExecutionPlan, target: float) -> bool:
+        """Whether a call of `x`'s rows under `plan` multiplies them through the fp32 row-invariant product
+        (csrc/fp32_dense.cpp), whose every row's sums depend on that row alone: fp32 weights on the CPU under a
+        row-invariant plan, dense (target 0) with at most max(max_kernel_rows, ROW_INVARIANT_CHUNK_ROWS) rows, or
+        masked at a row policy's threshold then dense (a prefill chunk of more than max_kernel_rows rows, at most
+        ROW_INVARIANT_CHUNK_ROWS)."""
+        if not plan.row_invariant or self._fp32_dense is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return False
+        rows = x.numel() // self.in_features
+        if target <= 0.0:
+            return rows <= max(self.max_kernel_rows, ROW_INVARIANT_CHUNK_ROWS)
+        return (self.max_kernel_rows < rows <= ROW_INVARIANT_CHUNK_ROWS and self._threshold_mask is not None
+                and self._shared_keep(plan, x, target) < 0)
+
+    def _row_invariant_rows(self, x: torch.Tensor, plan: ExecutionPlan, ledger: ExecutionLedger,
+                            target: float) -> torch.Tensor:
+        """`x`'s rows as the row-invariant product multiplies them (masked at the target's threshold where it is
+        above 0), counted on `ledger` as the call of those rows alone counts them."""
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        if target <= 0.0:
+            ledger.weight_bytes_read -= self._counted_bytes - self.dense_read_bytes
+            return flat
+        dense_flops = self._dense_flops_per_row * rows
+        ledger.sparse_dense_flops += dense_flops
+        ledger.sparse_input_entries += rows * self.in_features
+        ledger.sparse_executed_flops += dense_flops  # masked, then multiplied dense: counted as the dense work it is
+        assert self._threshold_mask is not None
+        masked, kept = self._threshold_mask(flat.contiguous(), self.scale, self._threshold(target))
+        ledger.sparse_kept_entries += kept
+        return masked
+
+    def _row_invariant_product(self, parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """The row-invariant product of the rows of `parts`, in one call, shaped `shape` + (out,)."""
+        assert self._fp32_dense is not None
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        output = self._fp32_dense(flat, self._buffers["weight_t"], self._bias[0], self.kernel_threads)
+        return output.reshape(*shape, self.out_features)
+
+    def _joined(self, chunk: Segment, tail: Segment) -> torch.Tensor | None:
+        """A packed pass's chunk rows and decode rows in one call of the row-invariant product, when each part alone
+        would run that product: each row gets the bits of its own part's call (its sums depend on it alone), each
+        part is counted in its own ledger as its call would be, and the weights are read once for both. None
+        otherwise (the parts run apart)."""
+        (chunk_x, chunk_plan, chunk_ledger), (tail_x, tail_plan, tail_ledger) = chunk, tail
+        chunk_target, tail_target = self._target(chunk_plan), self._target(tail_plan)
+        if not (self._runs_row_invariant(chunk_x, chunk_plan, chunk_target)
+                and self._runs_row_invariant(tail_x, tail_plan, tail_target)):
+            return None
+        parts = [self._row_invariant_rows(chunk_x, chunk_plan, chunk_ledger, chunk_target),
+                 self._row_invariant_rows(tail_x, tail_plan, tail_ledger, tail_target)]
+        return self._row_invariant_product(parts, torch.Size((*chunk_x.shape[:-2], sum(p.shape[0] for p in parts))))
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The layer inside a compiled decode step: dense, or the counted kernel at the threshold in force."""
