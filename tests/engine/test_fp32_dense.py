@@ -14,7 +14,7 @@ from torch import nn
 
 from prunewatch.engine.execution import ExecutionLedger, ExecutionPlan, executing
 from prunewatch.engine.sparse.kernel import fp32_dense_kernel
-from prunewatch.engine.sparse.module import SparseLinear, SparsityOptions
+from prunewatch.engine.sparse.module import ROW_INVARIANT_CHUNK_ROWS, SparseLinear, SparsityOptions
 from prunewatch.engine.sparse.thresholds import LayerThresholds
 
 
@@ -62,10 +62,11 @@ def test_each_output_is_one_chain_of_fused_multiply_adds_over_the_inputs_in_orde
 
 @pytest.mark.parametrize(("n_in", "n_out"), [(576, 192), (1536, 576), (576, 1000)])
 def test_a_row_gets_the_same_bits_in_any_batch_and_under_any_thread_count(kernel, n_in, n_out):
-    x, wt, bias = _case(n_in, n_out, 16, seed=n_in + n_out)
+    x, wt, bias = _case(n_in, n_out, 64, seed=n_in + n_out)
     full = kernel(x, wt, bias, 2)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):
-        for first in (0, 16 - rows):
+    # decode steps' few rows, and prefill chunks' many (longer channel blocks past one register tile of rows)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64):
+        for first in (0, 64 - rows):
             for threads in (1, 2):
                 part = kernel(x[first:first + rows], wt, bias, threads)
                 assert torch.equal(part, full[first:first + rows]), (rows, first, threads)
@@ -101,15 +102,17 @@ def _layer(n_in: int, n_out: int) -> SparseLinear:
                         SparsityOptions(max_kernel_rows=4))
 
 
-def test_a_row_invariant_dense_call_of_few_rows_takes_it_and_a_prefill_takes_blas(kernel):
+def test_a_row_invariant_dense_call_of_few_rows_or_a_short_chunk_takes_it_and_a_long_chunk_takes_blas(kernel):
     layer = _layer(64, 96)
     g = torch.Generator().manual_seed(6)
-    decode, prefill = torch.randn(1, 3, 64, generator=g), torch.randn(1, 9, 64, generator=g)
+    decode, chunk = torch.randn(1, 3, 64, generator=g), torch.randn(1, ROW_INVARIANT_CHUNK_ROWS, 64, generator=g)
+    long = torch.randn(1, ROW_INVARIANT_CHUNK_ROWS + 1, 64, generator=g)
     ledger = ExecutionLedger()
     with torch.no_grad(), executing(ExecutionPlan(row_invariant=True), ledger):
-        y_decode, y_prefill = layer(decode), layer(prefill)
+        y_decode, y_chunk, y_long = layer(decode), layer(chunk), layer(long)
     assert torch.equal(y_decode[0], kernel(decode[0], layer.weight_t, layer.linear.bias, 0))
-    assert torch.equal(y_prefill, F.linear(prefill, layer.linear.weight, layer.linear.bias))
+    assert torch.equal(y_chunk[0], kernel(chunk[0], layer.weight_t, layer.linear.bias, 0))
+    assert torch.equal(y_long, F.linear(long, layer.linear.weight, layer.linear.bias))
     with torch.no_grad(), executing(ExecutionPlan(), ExecutionLedger()):  # not row-invariant: BLAS
         assert torch.equal(layer(decode), F.linear(decode, layer.linear.weight, layer.linear.bias))
 

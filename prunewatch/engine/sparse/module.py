@@ -65,12 +65,12 @@ from prunewatch.engine.sparse.thresholds import LayerThresholds
 
 
 # A prefill chunk of up to this many rows runs the fp32 row-invariant product (csrc/fp32_dense.cpp) under a
-# row-invariant plan, where a longer one runs BLAS. Alone it is a little slower than BLAS at that size (its register
-# tiles reach about three quarters of BLAS's multiply-adds per second on this repository's AVX-512 host), but a
-# packed pass's decode rows then share the chunk's call (SparseLinear._joined): one read of each weight and one
-# product instead of two (prunewatch bench load, README "Serving under load"). Past ~32 rows the product falls
-# behind BLAS by more than the shared read saves.
-ROW_INVARIANT_CHUNK_ROWS = 32
+# row-invariant plan, where a longer one runs BLAS. On SmolLM2-135M's decoder shapes, 2 threads, AVX-512, weights
+# streamed from memory, it is about as fast as BLAS at 30 rows and 0.92x at 54; a packed pass's decode rows then share
+# the chunk's call (SparseLinear._joined), one read of each weight and one product instead of two, which made a
+# 30-row chunk's pass with 3 decode rows about 13% shorter, and a 50-row one's too (README "Serving under load").
+# At 128 rows (PREFILL_CHUNK) the product runs at 0.86x BLAS and the shared read no longer pays for it.
+ROW_INVARIANT_CHUNK_ROWS = 64
 
 
 class SparsityOptions(BaseModel):
