@@ -294,7 +294,12 @@ class PruningEngine:
         it off whatever its length."""
         if not marker:
             return []
-        ids = self.render_prompt("Hello there.")
+        try:
+            ids = self.render_prompt("Hello there.")
+        except Exception as exc:  # a template that insists on a system message (it raises from its own Jinja code)
+            logger.info("no template head for %s: its chat template does not render a user message alone (%s)",
+                        self.name, exc)
+            return []
         length = PrefixCache(marker, max_entries=1).head_length(ids)
         return ids[:length]
 

@@ -164,6 +164,22 @@ def test_the_templates_own_head_is_split_off_at_the_default_minimum_and_changes_
     assert engine.generate("Which port does SSH listen on?", max_new_tokens=2).stats.cached_prompt_tokens == head
 
 
+def test_a_template_that_insists_on_a_system_message_has_no_template_head(probe_model_dir, calibration_dir,
+                                                                          tmp_path) -> None:
+    import shutil
+
+    from tests.conftest import load_probe_engine
+
+    model_dir = tmp_path / "probe-llama"
+    shutil.copytree(probe_model_dir, model_dir)
+    template = model_dir / "chat_template.jinja"
+    template.write_text("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}"
+                        "{% endif %}" + template.read_text())
+    engine = load_probe_engine(model_dir, calibration_dir)
+    assert engine.prefix_cache.marker and engine.prefix_cache.shared_heads == frozenset()
+    assert engine.generate(QUESTION, system=SYSTEM, max_new_tokens=2).token_ids  # system prompts still serve
+
+
 def test_heads_shorter_than_the_minimum_are_prefilled_whole(probe_engine) -> None:
     engine = probe_engine
     ids = engine.render_prompt(QUESTION, SYSTEM)
