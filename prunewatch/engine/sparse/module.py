@@ -63,7 +63,6 @@ from prunewatch.engine.sparse.quantize import (
 from prunewatch.engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper, in_out, is_conv1d, projection_family
 from prunewatch.engine.sparse.thresholds import LayerThresholds
 
-
 # A prefill chunk of up to this many rows runs the fp32 row-invariant product (csrc/fp32_dense.cpp) under a
 # row-invariant plan, where a longer one runs BLAS. On SmolLM2-135M's decoder shapes, 2 threads, AVX-512, weights
 # streamed from memory, it is about as fast as BLAS at 30 rows and 0.92x at 54; a packed pass's decode rows then share
