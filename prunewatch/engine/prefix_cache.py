@@ -3,8 +3,9 @@ and reused by every prompt that starts with the same head.
 
 Why: the chat requests of one application share their start: the template's system block (its own system prompt,
 or the model's default one) up to the user's turn; SmolLM2-135M-Instruct's default head is 24 tokens of a typical 40
-to 50 token prompt. A prefill on the CPU is compute-bound, and under load each one runs alone on the batcher's stepper
-while the decoding requests wait (prunewatch.engine.batching). A head's keys and values depend only on its tokens,
+to 50 token prompt. A prefill on the CPU is compute-bound, and under load each one takes a pass of the batcher's
+stepper that the decoding requests' rows share (prunewatch.engine.batching), so its positions set how long their step
+takes. A head's keys and values depend only on its tokens,
 the weights, what the forward pass skipped and the thread count that ran it. The engine computes heads without
 activation sparsity (a prefill multiplies dense whether its inputs are masked or not, so that saves no time; the
 default's targets adapt to each prompt, so a head computed under one request's targets would serve no other) and
