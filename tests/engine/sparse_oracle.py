@@ -33,8 +33,16 @@ def _linear_work(module) -> int | None:
 
 def _kernel_dense(module, plan, rows: int) -> bool:
     """Whether a wrapper computes a dense call through its kernel (every weight row read) rather than its inner
-    layer: quantized weights, or a row-invariant plan (eager CPU decoding and batched steps), at few rows."""
-    return rows <= module.max_kernel_rows and (module.quantized or plan.row_invariant)
+    layer: quantized weights, or a row-invariant plan (eager CPU decoding and batched steps), at few rows; and under a
+    row-invariant plan an fp32 decoder layer's prefill chunk of up to ROW_INVARIANT_CHUNK_ROWS rows, dense or masked
+    (SparseLinear's row-invariant product)."""
+    from prunewatch.engine.sparse import SparseLinear
+    from prunewatch.engine.sparse.module import ROW_INVARIANT_CHUNK_ROWS
+
+    if rows <= module.max_kernel_rows and (module.quantized or plan.row_invariant):
+        return True
+    return (isinstance(module, SparseLinear) and plan.row_invariant and not module.quantized
+            and rows <= ROW_INVARIANT_CHUNK_ROWS)
 
 
 @contextlib.contextmanager
