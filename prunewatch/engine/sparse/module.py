@@ -64,11 +64,12 @@ from prunewatch.engine.sparse.targets import DEFAULT_PROJECTIONS, LinearWrapper,
 from prunewatch.engine.sparse.thresholds import LayerThresholds
 
 # A prefill chunk of up to this many rows runs the fp32 row-invariant product (csrc/fp32_dense.cpp) under a
-# row-invariant plan, where a longer one runs BLAS. On SmolLM2-135M's decoder shapes, 2 threads, AVX-512, weights
-# streamed from memory, it is about as fast as BLAS at 30 rows and 0.92x at 54; a packed pass's decode rows then share
-# the chunk's call (SparseLinear._joined), one read of each weight and one product instead of two, which made a
-# 30-row chunk's pass with 3 decode rows about 13% shorter, and a 50-row one's too (README "Serving under load").
-# At 128 rows (PREFILL_CHUNK) the product runs at 0.86x BLAS and the shared read no longer pays for it.
+# row-invariant plan, where a longer one runs BLAS. Measured by hand on SmolLM2-135M's decoder shapes (2 threads,
+# AVX-512, weights streamed from memory, interleaved): about as fast as BLAS at 30 rows, 0.92x at 54, 0.86x at 128
+# (PREFILL_CHUNK), where the shared read below no longer pays for it. A packed pass's decode rows then share the
+# chunk's call (SparseLinear._joined): one read of each weight and one product instead of two. Served, at 4 clients,
+# packed passes took 104-107 ms against 115-118 ms dense (bench/results/load-cpu-levels-1-4-joined-*.json against
+# -before-joined-*.json; README "Serving under load").
 ROW_INVARIANT_CHUNK_ROWS = 64
 
 
@@ -230,10 +231,10 @@ class SparseLinear(LinearWrapper):
             return self.linear(x)
         plan, ledger = execution
         target = self._target(plan)
-        if self._runs_row_invariant(x, plan, target):
-            return self._row_invariant_product([self._row_invariant_rows(x, plan, ledger, target)], x.shape[:-1])
         if target <= 0.0:
-            return self._quantized_dense(x, ledger) if self.quantized or plan.row_invariant else self._dense(x)
+            if self.quantized or plan.row_invariant:
+                return self._quantized_dense(x, ledger, row_invariant=plan.row_invariant)
+            return self._dense(x)
         in_features = self.in_features
         rows = x.numel() // in_features
         dense_flops = self._dense_flops_per_row * rows
@@ -242,7 +243,7 @@ class SparseLinear(LinearWrapper):
         keep = -1 if plan.sparsity_policy != "shared" else self._shared_keep(plan, x, target)
         threshold = self._threshold(target)
         if rows > self.max_kernel_rows:
-            return self._masked_dense(x, ledger, threshold, keep, dense_flops)
+            return self._masked_dense(x, ledger, threshold, keep, dense_flops, row_invariant=plan.row_invariant)
         # The decode hot path (~7 calls per block per token): buffers read directly, the bias and
         # per-channel costs precomputed, and the skipped work taken off the ledger in hand rather
         # than through record_skipped_work, which would look the active execution up again.
@@ -273,24 +274,32 @@ class SparseLinear(LinearWrapper):
             threshold = self._thresholds_by_target.setdefault(target, self.thresholds.at(target))
         return threshold
 
-    def _runs_row_invariant(self, x: torch.Tensor, plan: ExecutionPlan, target: float) -> bool:
-        """Whether a call of `x`'s rows under `plan` multiplies them through the fp32 row-invariant product
-        (csrc/fp32_dense.cpp), whose every row's sums depend on that row alone: fp32 weights on the CPU under a
-        row-invariant plan, dense (target 0) with at most max(max_kernel_rows, ROW_INVARIANT_CHUNK_ROWS) rows, or
-        masked at a row policy's threshold then dense (a prefill chunk of more than max_kernel_rows rows, at most
-        ROW_INVARIANT_CHUNK_ROWS)."""
-        if not plan.row_invariant or self._fp32_dense is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    def _row_invariant_chunk(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether a row-invariant call of `rows` rows (more than max_kernel_rows: a prefill chunk) multiplies through
+        the fp32 row-invariant product (csrc/fp32_dense.cpp) rather than BLAS: fp32 weights on the CPU, at most
+        ROW_INVARIANT_CHUNK_ROWS rows."""
+        return (rows <= ROW_INVARIANT_CHUNK_ROWS and self._fp32_dense is not None and x.dtype == torch.float32
+                and x.device.type == "cpu")
+
+    def _joins(self, x: torch.Tensor, plan: ExecutionPlan, target: float) -> bool:
+        """Whether a call of `x`'s rows under `plan` runs the fp32 row-invariant product, whose every row's sums
+        depend on that row alone (so a packed pass's parts may share one call): under a row-invariant plan, dense at
+        few rows or in a chunk, or masked at a row policy's threshold in a chunk."""
+        if not plan.row_invariant:
             return False
         rows = x.numel() // self.in_features
         if target <= 0.0:
-            return rows <= max(self.max_kernel_rows, ROW_INVARIANT_CHUNK_ROWS)
-        return (self.max_kernel_rows < rows <= ROW_INVARIANT_CHUNK_ROWS and self._threshold_mask is not None
+            return (rows <= self.max_kernel_rows and not self.quantized and self._fp32_dense is not None
+                    and x.dtype == torch.float32 and x.device.type == "cpu") or \
+                (rows > self.max_kernel_rows and self._row_invariant_chunk(x, rows))
+        return (rows > self.max_kernel_rows and self._row_invariant_chunk(x, rows) and self._threshold_mask is not None
                 and self._shared_keep(plan, x, target) < 0)
 
     def _row_invariant_rows(self, x: torch.Tensor, plan: ExecutionPlan, ledger: ExecutionLedger,
                             target: float) -> torch.Tensor:
         """`x`'s rows as the row-invariant product multiplies them (masked at the target's threshold where it is
-        above 0), counted on `ledger` as the call of those rows alone counts them."""
+        above 0), counted on `ledger` as the call of those rows alone counts them (`_quantized_dense`,
+        `_masked_dense`)."""
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
         if target <= 0.0:
@@ -299,9 +308,15 @@ class SparseLinear(LinearWrapper):
         dense_flops = self._dense_flops_per_row * rows
         ledger.sparse_dense_flops += dense_flops
         ledger.sparse_input_entries += rows * self.in_features
-        ledger.sparse_executed_flops += dense_flops  # masked, then multiplied dense: counted as the dense work it is
+        return self._masked_rows(flat, ledger, self._threshold(target), dense_flops)
+
+    def _masked_rows(self, x: torch.Tensor, ledger: ExecutionLedger, threshold: float,
+                     dense_flops: int) -> torch.Tensor:
+        """`x` with its entries below the threshold zeroed in one pass (csrc/threshold_mask.cpp), counted as the
+        dense work the product that follows does."""
         assert self._threshold_mask is not None
-        masked, kept = self._threshold_mask(flat.contiguous(), self.scale, self._threshold(target))
+        ledger.sparse_executed_flops += dense_flops
+        masked, kept = self._threshold_mask(x.contiguous(), self.scale, threshold)
         ledger.sparse_kept_entries += kept
         return masked
 
@@ -319,8 +334,7 @@ class SparseLinear(LinearWrapper):
         otherwise (the parts run apart)."""
         (chunk_x, chunk_plan, chunk_ledger), (tail_x, tail_plan, tail_ledger) = chunk, tail
         chunk_target, tail_target = self._target(chunk_plan), self._target(tail_plan)
-        if not (self._runs_row_invariant(chunk_x, chunk_plan, chunk_target)
-                and self._runs_row_invariant(tail_x, tail_plan, tail_target)):
+        if not (self._joins(chunk_x, chunk_plan, chunk_target) and self._joins(tail_x, tail_plan, tail_target)):
             return None
         parts = [self._row_invariant_rows(chunk_x, chunk_plan, chunk_ledger, chunk_target),
                  self._row_invariant_rows(tail_x, tail_plan, tail_ledger, tail_target)]
@@ -343,14 +357,15 @@ class SparseLinear(LinearWrapper):
             return linear(x)
         return F.linear(x, linear.weight, linear.bias)
 
-    def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger) -> torch.Tensor:
+    def _quantized_dense(self, x: torch.Tensor, ledger: ExecutionLedger, row_invariant: bool = False) -> torch.Tensor:
         """The dense product when the call has few rows: int4 or int8 laid out by output (csrc/int4_dense.cpp,
         csrc/int8_dense.cpp), fp32 on the CPU with the outputs split over threads (csrc/fp32_dense.cpp), else the
         kernel reading every row (int8 / int4: the block counted the fp32 bytes, the call read the quantized rows and
         their scales; fp32 under a row-invariant plan: the same bytes); with many rows the wrapped layer on the
-        dequantized weights (a prefill: compute-bound, where BLAS is faster)."""
+        dequantized weights (a prefill: compute-bound, where BLAS is faster), except an fp32 chunk of up to
+        ROW_INVARIANT_CHUNK_ROWS rows under a row-invariant plan (`row_invariant`), which takes the fp32 product."""
         rows = x.numel() // self.in_features
-        if rows > self.max_kernel_rows:
+        if rows > self.max_kernel_rows and not (row_invariant and self._row_invariant_chunk(x, rows)):
             return self._dense(x)
         buffers = self._buffers
         flat = x if x.dim() == 2 else x.reshape(rows, self.in_features)
@@ -374,13 +389,16 @@ class SparseLinear(LinearWrapper):
         return max(1, round((1.0 - target) * self.in_features))
 
     def _masked_dense(self, x: torch.Tensor, ledger: ExecutionLedger, threshold: float, keep: int,
-                      dense_flops: int) -> torch.Tensor:
-        """Same mask as the kernel, dense matmul: it stays counted as the dense work its block counted."""
-        ledger.sparse_executed_flops += dense_flops
+                      dense_flops: int, row_invariant: bool = False) -> torch.Tensor:
+        """Same mask as the kernel, dense matmul: it stays counted as the dense work its block counted. The product is
+        BLAS's, or under a row-invariant plan the fp32 row-invariant one for a chunk of up to
+        ROW_INVARIANT_CHUNK_ROWS rows."""
         if keep < 0 and self._threshold_mask is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            masked, kept = self._threshold_mask(x.contiguous(), self.scale, threshold)  # the operators below, one pass
-            ledger.sparse_kept_entries += kept
+            masked = self._masked_rows(x, ledger, threshold, dense_flops)  # the operators below, one pass
+            if row_invariant and self._row_invariant_chunk(x, x.numel() // self.in_features):
+                return self._row_invariant_product([masked.reshape(-1, self.in_features)], x.shape[:-1])
             return self.linear(masked)
+        ledger.sparse_executed_flops += dense_flops
         scale = self.scale.to(x.device)
         score = x.abs().float() * scale  # (..., in)
         if keep < 0:

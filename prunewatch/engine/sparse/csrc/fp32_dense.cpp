@@ -42,9 +42,9 @@ namespace {
 // Input channels per block (partial sums kept in the output between blocks): a decode step's few rows, and a prefill
 // chunk's many (more than one register tile of rows). A chunk's tiles re-read each block's weights from L2 once per
 // tile of rows, and its partial sums go to the output and back once per block, so longer blocks let it run on the
-// multiply-adds: on SmolLM2-135M's decoder shapes, 2 threads, AVX-512, weights in cache, 30 rows went from about
-// 0.86x BLAS's multiply-adds per second at 32 channels to 1.07x at 128, 54 rows from 0.74x to 0.96x. The order of
-// each output's chain is the same at any block length, so neither changes a bit.
+// multiply-adds. Measured by hand on SmolLM2-135M's decoder shapes, 2 threads, AVX-512, weights in cache: 30 rows
+// went from about 0.86x BLAS's multiply-adds per second at 32 channels to 1.07x at 128, 54 rows from 0.74x to 0.96x.
+// The order of each output's chain is the same at any block length, so neither changes a bit.
 constexpr int64_t kChannels = 32;
 constexpr int64_t kChunkChannels = 128;
 // Weight lines are requested into L2 (prefetcht1) this many channels ahead, at the columns being combined: a tile
