@@ -7,8 +7,9 @@ forward passes move to one stepper thread, which holds the cores:
   in one packed pass (`packed_pass`) with the decode rows due at that moment: the requests already decoding take
   their step in the chunk's pass instead of waiting for it, and a long prompt's chunks are taken in turn with decode
   steps. The pass runs each product on the chunk's rows and on the decode rows apart
-  (prunewatch.engine.execution.per_segment), so neither gets other bits or counts than alone; a chunk runs alone
-  when no row that may share its pass is due;
+  (prunewatch.engine.execution.per_segment), or in one call where both parts run the same row-invariant product
+  (prunewatch.engine.sparse.module.ROW_INVARIANT_CHUNK_ROWS), so neither gets other bits or counts than alone; a chunk
+  runs alone when no row that may share its pass is due;
 - its decode steps wait at a rendezvous: the stepper runs one forward pass for every request whose next token is
   due (it waits up to `gather_s` for the requests still detokenizing their last one), at most `max_batch` rows;
   a request joins at the step after its prefill and leaves when its generator closes (end, stop, cancellation).

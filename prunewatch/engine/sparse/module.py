@@ -67,9 +67,9 @@ from prunewatch.engine.sparse.thresholds import LayerThresholds
 # row-invariant plan, where a longer one runs BLAS. Measured by hand on SmolLM2-135M's decoder shapes (2 threads,
 # AVX-512, weights streamed from memory, interleaved): about as fast as BLAS at 30 rows, 0.92x at 54, 0.86x at 128
 # (PREFILL_CHUNK), where the shared read below no longer pays for it. A packed pass's decode rows then share the
-# chunk's call (SparseLinear._joined): one read of each weight and one product instead of two. Served, at 4 clients,
-# packed passes took 104-107 ms against 115-118 ms dense (bench/results/load-cpu-levels-1-4-joined-*.json against
-# -before-joined-*.json; README "Serving under load").
+# chunk's call (SparseLinear._joined): one read of each weight and one product instead of two. Served, dense requests
+# at 4 clients, packed passes took 104-107 ms against 115-118 ms with every chunk through BLAS
+# (bench/results/load-cpu-levels-1-4-joined-*.json against -before-joined-*.json; README "Serving under load").
 ROW_INVARIANT_CHUNK_ROWS = 64
 
 
@@ -274,24 +274,26 @@ class SparseLinear(LinearWrapper):
             threshold = self._thresholds_by_target.setdefault(target, self.thresholds.at(target))
         return threshold
 
+    def _fp32_product(self, x: torch.Tensor) -> bool:
+        """Whether the fp32 row-invariant product (csrc/fp32_dense.cpp) can multiply `x`: fp32 weights and inputs on
+        the CPU."""
+        return self._fp32_dense is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+
     def _row_invariant_chunk(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a row-invariant call of `rows` rows (more than max_kernel_rows: a prefill chunk) multiplies through
-        the fp32 row-invariant product (csrc/fp32_dense.cpp) rather than BLAS: fp32 weights on the CPU, at most
-        ROW_INVARIANT_CHUNK_ROWS rows."""
-        return (rows <= ROW_INVARIANT_CHUNK_ROWS and self._fp32_dense is not None and x.dtype == torch.float32
-                and x.device.type == "cpu")
+        the fp32 row-invariant product rather than BLAS: at most ROW_INVARIANT_CHUNK_ROWS rows it can multiply."""
+        return rows <= ROW_INVARIANT_CHUNK_ROWS and self._fp32_product(x)
 
     def _joins(self, x: torch.Tensor, plan: ExecutionPlan, target: float) -> bool:
         """Whether a call of `x`'s rows under `plan` runs the fp32 row-invariant product, whose every row's sums
         depend on that row alone (so a packed pass's parts may share one call): under a row-invariant plan, dense at
-        few rows or in a chunk, or masked at a row policy's threshold in a chunk."""
+        few rows or in a chunk (`_quantized_dense`), or masked at a row policy's threshold in a chunk
+        (`_masked_dense`)."""
         if not plan.row_invariant:
             return False
         rows = x.numel() // self.in_features
         if target <= 0.0:
-            return (rows <= self.max_kernel_rows and not self.quantized and self._fp32_dense is not None
-                    and x.dtype == torch.float32 and x.device.type == "cpu") or \
-                (rows > self.max_kernel_rows and self._row_invariant_chunk(x, rows))
+            return rows <= max(self.max_kernel_rows, ROW_INVARIANT_CHUNK_ROWS) and self._fp32_product(x)
         return (rows > self.max_kernel_rows and self._row_invariant_chunk(x, rows) and self._threshold_mask is not None
                 and self._shared_keep(plan, x, target) < 0)
 
@@ -372,7 +374,7 @@ class SparseLinear(LinearWrapper):
         if self._quantized_dense_kernel is not None:
             output = self._quantized_dense_kernel(flat, buffers["weight_by_output"], buffers["weight_scale"],
                                                   self._bias[0], self.kernel_threads)
-        elif self._fp32_dense is not None and flat.dtype == torch.float32 and flat.device.type == "cpu":
+        elif self._fp32_product(flat):
             output = self._fp32_dense(flat, buffers["weight_t"], self._bias[0], self.kernel_threads)
         else:
             kernel = self._kernel if x.is_cuda == self._kernel_is_cuda else device_kernel(x.device)
